@@ -1,0 +1,78 @@
+"""`eagle3-hf` command line: one subcommand per step of the data flow.
+
+Each subcommand lives in the module that does the work; the module exposes
+`add_cli_arguments(parser)` and `run_cli(args) -> int`. Every subcommand accepts
+`--config FILE` (JSON or YAML mapping of option names to values; command-line flags win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "regenerate": ("eagle3_hf.regenerate", "re-answer training prompts with the target model"),
+    "vocab": ("eagle3_hf.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
+    "features": ("eagle3_hf.features", "precompute target features (offline training) to safetensors shards"),
+    "train": ("eagle3_hf.trainer", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
+    "generate": ("eagle3_hf.generation", "generate with a target and its EAGLE-3 draft"),
+    "bench": ("eagle3_hf.benchmark", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
+    "convert": ("eagle3_hf.convert", "convert a draft checkpoint between native, speculators and official layouts"),
+}
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a `--config` file: a JSON (or YAML, when PyYAML is installed) mapping of option -> value."""
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as err:
+            raise ValueError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or use JSON.") from err
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of option names to values, got {type(data).__name__}.")
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3-hf", description="EAGLE-3 speculative decoding for transformers.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.add_argument("--config", default=None, help="JSON/YAML file of option values (flags given here win)")
+        importlib.import_module(module_name).add_cli_arguments(sp)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.config:
+        # Re-parse with the file's values as defaults so explicit flags still win.
+        sp = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+        known = {a.dest for a in sp._actions}
+        values = load_config_file(args.config)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise SystemExit(f"eagle3-hf {args.command}: unknown option(s) in {args.config}: {', '.join(unknown)}")
+        sp.set_defaults(**values)
+        args = parser.parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run_cli(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Sizing each decoding cycle from measured costs and the draft's own confidence.
+
+EAGLE-2 observed that a draft's cumulative path probability estimates how likely a tree node is
+to be accepted. With verify costs measured on this device, that turns tree sizing into a small
+optimisation: verify the n best nodes maximising
+
+    (1 + calibration * sum_{i<n} p_i) / (draft_cost + verify_cost(n + 1))
+
+against plain decoding's 1 / verify_cost(1); draft nothing when even the best tree loses. The
+calibration factor (measured accepted / predicted accepted) corrects drafts that are over- or
+under-confident, so a poor draft quickly costs next to nothing: after each cycle where drafting
+did not pay, the draft is not even consulted for a growing number of tokens (exponential backoff).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LinearCost:
+    """Running least-squares fit of seconds = a + b * n over recent observations."""
+
+    prior_a: float
+    prior_b: float
+    window: int = 64
+    samples: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.samples.append((float(n), float(seconds)))
+
+    def coefficients(self) -> tuple[float, float]:
+        if len(self.samples) < 2:
+            if self.samples:  # one observation: keep the prior slope ratio, rescale the level
+                n, t = self.samples[0]
+                scale = t / max(self.prior_a + self.prior_b * n, 1e-9)
+                return self.prior_a * scale, self.prior_b * scale
+            return self.prior_a, self.prior_b
+        xs = torch.tensor([s[0] for s in self.samples], dtype=torch.float64)
+        ts = torch.tensor([s[1] for s in self.samples], dtype=torch.float64)
+        if float(xs.max() - xs.min()) < 1.0:  # all at one size: level known, slope from the prior ratio
+            level = float(ts.mean())
+            n = float(xs.mean())
+            ratio = self.prior_b / max(self.prior_a + self.prior_b * n, 1e-12)
+            b = level * ratio
+            return max(level - b * n, 1e-9), b
+        xm, tm = xs.mean(), ts.mean()
+        b = float(((xs - xm) * (ts - tm)).sum() / ((xs - xm) ** 2).sum())
+        b = max(b, 0.0)
+        a = max(float(tm) - b * float(xm), 1e-9)
+        return a, b
+
+    def __call__(self, n: int) -> float:
+        a, b = self.coefficients()
+        return a + b * n
+
+
+@dataclass
+class CycleCostModel:
+    """Per-call scheduler state. Costs are in seconds; only their ratios matter.
+
+    Priors (before measurements arrive) follow a 2-core CPU running a ~100M-parameter target:
+    verifying 16 tokens costs ~1.5x one token, one draft step ~15% of a target step.
+    """
+
+    verify: LinearCost = field(default_factory=lambda: LinearCost(prior_a=1.0, prior_b=1.0 / 30))
+    draft_step: LinearCost = field(default_factory=lambda: LinearCost(prior_a=0.15, prior_b=0.0))
+    accepted: float = 0.0  # measured accepted draft tokens (excluding bonus)
+    predicted: float = 0.0  # sum of predicted acceptance for the same cycles
+    prior_weight: float = 2.0  # pseudo-cycles of calibration 1.0 before measurements dominate
+    backoff: int = 0  # tokens to decode plainly before consulting the draft again
+    next_backoff: int = 1
+    max_backoff: int = 32
+
+    @property
+    def calibration(self) -> float:
+        return (self.accepted + self.prior_weight) / (self.predicted + self.prior_weight)
+
+    def record_cycle(self, predicted: float, accepted: int) -> None:
+        self.predicted += predicted
+        self.accepted += accepted
+
+    def plain_rate(self) -> float:
+        return 1.0 / self.verify(1)
+
+    def worth_drafting(self, top_probability: float) -> bool:
+        """Whether even the single most likely draft token pays for a draft step and a wider verify."""
+        gain = self.calibration * top_probability
+        rate = (1.0 + gain) / (self.draft_step(1) + self.verify(2))
+        return rate > self.plain_rate()
+
+    def worth_deeper(self, best_path_probability: float, nodes_so_far: int) -> bool:
+        """Whether one more draft level can pay: its best node must be worth more than a draft step."""
+        gain = self.calibration * best_path_probability * self.verify(1)
+        return gain > self.draft_step(1) + (self.verify(nodes_so_far + 2) - self.verify(nodes_so_far + 1))
+
+    def choose_size(self, path_probabilities: torch.Tensor, draft_levels: int) -> tuple[int, float]:
+        """Best number of non-root nodes to verify (0 = plain step), given node path probabilities sorted
+        in keep order (a prefix is always a valid tree). Returns (n, predicted accepted tokens)."""
+        probs = path_probabilities.double().cpu()
+        gains = self.calibration * torch.cumsum(probs, 0)
+        n = torch.arange(1, probs.numel() + 1, dtype=torch.float64)
+        a, b = self.verify.coefficients()
+        cost = self.draft_step(1) * draft_levels + a + b * (n + 1)
+        rates = (1.0 + gains) / cost
+        best = int(torch.argmax(rates))
+        if float(rates[best]) <= self.plain_rate():
+            return 0, 0.0
+        return best + 1, float(probs[: best + 1].sum())
+
+    def after_cycle(self, drafted: bool, paid_off: bool) -> None:
+        """Exponential backoff of draft consultations while drafting does not pay."""
+        if drafted and paid_off:
+            self.next_backoff = 1
+            self.backoff = 0
+        else:
+            self.backoff = self.next_backoff
+            self.next_backoff = min(self.next_backoff * 2, self.max_backoff)
+
+    def consult_draft(self) -> bool:
+        if self.backoff > 0:
+            self.backoff -= 1
+            return False
+        return True

@@ -1,0 +1,377 @@
+"""The EAGLE-3 draft model: `fc` over three target taps, one widened decoder layer, its own head.
+
+One draft step (EAGLE-3, arXiv 2503.01840; layouts in the official, SpecForge and speculators
+checkpoints):
+
+    g  = fc([h_low | h_mid | h_high])            target features -> H   (or g = fed-back state)
+    a  = [input_layernorm(embed(x)) | hidden_norm(g)]                    [B, S, 2H]
+    r  = g + attn(a)                             (hidden_norm(g) + attn(a) if norm_before_residual)
+    o  = r + mlp(post_attention_layernorm(r))
+    logits = lm_head(norm(o))                    over the draft vocabulary [B, S, Vd]
+    feed back o (or norm(o) if norm_output)
+
+The attention, MLP and norms are transformers' own classes for the target family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import ModelOutput
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eagle3_hf._compat import cache_kwargs
+from eagle3_hf._families import get_family
+from eagle3_hf.configuration_eagle3 import Eagle3DraftConfig
+
+
+@dataclass
+class Eagle3DraftOutput(ModelOutput):
+    """Output of [`Eagle3DraftModel.forward`].
+
+    Args:
+        logits: `[B, S, draft_vocab_size]` scores over the draft vocabulary (map ids with `d2t`).
+        last_hidden_state: `[B, S, hidden_size]` the state to feed back as `hidden_states` on the next step.
+        cache: the draft's KV cache, when one was given or `use_cache=True`.
+    """
+
+    logits: torch.FloatTensor | None = None
+    last_hidden_state: torch.FloatTensor | None = None
+    cache: Cache | None = None
+
+
+def select_target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the tapped target states (indices into `output_hidden_states`) -> `[B, S, 3*Ht]`."""
+    return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = attend) -> additive float mask (0 / finfo.min), right for eager and sdpa."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The draft's single decoder layer, built from the target family's transformers classes."""
+
+    def __init__(self, config: Eagle3DraftConfig) -> None:
+        super().__init__()
+        family = get_family(config.layer_type)
+        layer_config = config.layer_config()
+        hidden = config.hidden_size
+        self.norm_before_residual = config.norm_before_residual
+        self.self_attn = family.attention_class(layer_config, layer_idx=0)
+        # EAGLE-3 widens q/k/v to read [normed embedding | normed hidden] (2H wide).
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        self.mlp = family.mlp_class(layer_config)
+        norm = family.norm_class
+        self.input_layernorm = norm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = norm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = norm(hidden, eps=config.rms_norm_eps)
+
+    def layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (attention input `[B, S, 2H]`, residual `[B, S, H]`)."""
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+
+    def finish(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
+        """Residual add after attention, then the MLP block."""
+        hidden = residual + attn_output
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def qkv(
+        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, normed (q/k norms where the family has them) and rotated q, k, v `[B, heads, S, d]`.
+
+        The same computation the family's attention class does before its attention kernel; the
+        training-time-test loop uses it to attend with its own cheap mask structure.
+        """
+        attn = self.self_attn
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape)
+        k = attn.k_proj(x).view(shape)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        x, residual = self.layer_input(embeds, hidden)
+        attn_output, _ = self.self_attn(
+            hidden_states=x,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **cache_kwargs(cache),
+        )
+        return self.finish(residual, attn_output)
+
+
+class Eagle3PreTrainedModel(PreTrainedModel):
+    config_class = Eagle3DraftConfig
+    base_model_prefix = "eagle3"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Eagle3DecoderLayer"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # Gemma-style norms scale by (1 + weight): identity at zero.
+        if "Gemma" in type(module).__name__ and "RMSNorm" in type(module).__name__:
+            with torch.no_grad():
+                module.weight.zero_()
+
+
+class Eagle3DraftModel(Eagle3PreTrainedModel):
+    r"""The EAGLE-3 draft model.
+
+    It reads the target's fused low/mid/high hidden states (`target_hidden_states`, `[B, S, 3*Ht]`) or its own
+    fed-back state (`hidden_states`, `[B, S, H]`) together with the tokens that follow them, and predicts the
+    token after next over its own draft vocabulary.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from eagle3_hf import Eagle3DraftModel
+    >>> target = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    ...                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000))
+    >>> draft = Eagle3DraftModel.from_target(target, draft_vocab_size=200)
+    >>> ids = torch.randint(0, 1000, (1, 6))
+    >>> hs = target(ids, output_hidden_states=True).hidden_states
+    >>> out = draft(ids, target_hidden_states=draft.target_features(hs))
+    >>> out.logits.shape, out.last_hidden_state.shape
+    (torch.Size([1, 6, 200]), torch.Size([1, 6, 64]))
+    ```
+    """
+
+    def __init__(self, config: Eagle3DraftConfig) -> None:
+        super().__init__(config)
+        hidden, target_hidden = config.hidden_size, config.target_hidden_size
+        norm = get_family(config.layer_type).norm_class
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
+        if config.norm_before_fc:
+            self.input_norm = norm(3 * target_hidden, eps=config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([norm(target_hidden, eps=config.rms_norm_eps) for _ in range(3)])
+        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = norm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        rope_config = LlamaConfig(
+            hidden_size=hidden,
+            num_attention_heads=config.num_attention_heads,
+            head_dim=config.head_dim,
+            rope_parameters=dict(config.rope_parameters),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        self.rotary_emb = LlamaRotaryEmbedding(config=rope_config)
+        # d2t: offsets, target_id = draft_id + d2t[draft_id]; t2d: target ids inside the draft vocabulary.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # Set by whoever fills `embed_tokens` with the target's embedding (from_target, loaders).
+        self.embedding_loaded = False
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------------
+    # construction
+    @classmethod
+    def from_target(
+        cls, target: PreTrainedModel, draft_vocab_size: int | None = None, **config_overrides: Any
+    ) -> Eagle3DraftModel:
+        """A freshly initialised draft for `target`: its config derived from the target's, its embedding copied."""
+        config = Eagle3DraftConfig.from_target_config(target.config, draft_vocab_size=draft_vocab_size, **config_overrides)
+        draft = cls(config)
+        draft.load_target_embedding(target)
+        ref = target.get_input_embeddings().weight
+        return draft.to(device=ref.device, dtype=ref.dtype)
+
+    def load_target_embedding(self, target: PreTrainedModel) -> None:
+        """Copy (and freeze) the target's token embedding into the draft."""
+        weight = target.get_input_embeddings().weight
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"The target's token embedding has shape {tuple(weight.shape)}, the draft expects "
+                f"{tuple(self.embed_tokens.weight.shape)} (vocab_size, hidden_size)."
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight.detach().to(self.embed_tokens.weight.dtype))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embedding_loaded = True
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary mapping (offsets `d2t` `[Vd]`, membership `t2d` `[V]`), after checking it."""
+        from eagle3_hf.vocab import validate_vocab_mapping
+
+        validate_vocab_mapping(d2t, t2d, self.config.vocab_size)
+        if d2t.numel() != self.config.draft_vocab_size:
+            raise ValueError(
+                f"d2t has {d2t.numel()} entries but the draft head predicts draft_vocab_size="
+                f"{self.config.draft_vocab_size} tokens."
+            )
+        self.d2t.copy_(d2t.to(self.d2t.device, torch.long))
+        self.t2d.copy_(t2d.to(self.t2d.device, torch.bool))
+
+    # ----------------------------------------------------------------------------------------------
+    # helpers used by generation and training
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Fused-input features `[B, S, 3*Ht]` from a target's `output_hidden_states`."""
+        layer_ids = self.config.resolved_target_layer_ids(len(hidden_states) - 1)
+        return select_target_features(hidden_states, layer_ids)
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids through the `d2t` offsets."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def fuse(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """`fc` over the three taps, with the optional per-tap / joint norms of later checkpoints."""
+        expected = 3 * self.config.target_hidden_size
+        if target_hidden_states.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden_states must have last dimension 3*target_hidden_size={expected} "
+                f"(low|mid|high taps), got shape {tuple(target_hidden_states.shape)}."
+            )
+        x = target_hidden_states
+        if self.config.fc_norm:
+            x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
+        return self.fc(x)
+
+    def causal_mask(
+        self, batch: int, seq: int, past: int, attention_mask: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Additive `[B, 1, S, past+S]` mask: causal, plus 2D padding when given."""
+        q_pos = torch.arange(past, past + seq, device=device)[:, None]
+        allowed = torch.arange(past + seq, device=device)[None, :] <= q_pos  # [S, past+S]
+        allowed = allowed[None, None].expand(batch, 1, seq, past + seq)
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, past + seq):
+                raise ValueError(
+                    f"A 2D attention_mask must have shape (batch, past+seq)=({batch}, {past + seq}), "
+                    f"got {tuple(attention_mask.shape)}."
+                )
+            allowed = allowed & attention_mask[:, None, None, :].bool()
+        return additive_mask(allowed, dtype)
+
+    # ----------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        target_hidden_states: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> Eagle3DraftOutput:
+        r"""One draft step over `S` positions.
+
+        Args:
+            input_ids: `[B, S]` the tokens that follow each feature position (x_{t+1} for feature h_t).
+            target_hidden_states: `[B, S, 3*Ht]` the target taps low|mid|high; `fc` is applied.
+            hidden_states: `[B, S, H]` the draft's own fed-back state. Give exactly one of the two.
+            position_ids: `[B, S]` RoPE positions; default continues after the cache.
+            attention_mask: 2D padding mask `[B, past+S]`, or a 4D mask `[B, 1, S, past+S]` (bool or additive).
+            cache: a transformers `Cache` holding the draft's earlier keys/values.
+            logits_to_keep: if > 0, compute logits only for the last that many positions.
+        """
+        if kwargs.get("past_key_values") is not None and cache is None:
+            cache = kwargs.pop("past_key_values")
+        if (target_hidden_states is None) == (hidden_states is None):
+            raise ValueError(
+                "Eagle3DraftModel.forward needs exactly one of `target_hidden_states` (the target's fused taps, "
+                "[B, S, 3*Ht]) or `hidden_states` (the draft's fed-back state, [B, S, H])."
+            )
+        if not self.embedding_loaded:
+            raise ValueError(
+                "This draft has no token embedding: the checkpoint did not include one. Pass the target, e.g. "
+                "`Eagle3DraftModel.from_pretrained(path, target=target)` or `draft.load_target_embedding(target)`."
+            )
+        batch, seq = input_ids.shape
+        if hidden_states is None:
+            hidden_states = self.fuse(target_hidden_states)
+        elif hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"hidden_states must have last dimension hidden_size={self.config.hidden_size}, "
+                f"got shape {tuple(hidden_states.shape)}."
+            )
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq, device=input_ids.device)[None].expand(batch, seq)
+        if attention_mask is None or attention_mask.dim() == 2:
+            mask = self.causal_mask(batch, seq, past, attention_mask, hidden_states.dtype, hidden_states.device)
+        elif attention_mask.dtype == torch.bool:
+            mask = additive_mask(attention_mask, hidden_states.dtype)
+        else:
+            mask = attention_mask
+        self.midlayer.self_attn.config._attn_implementation = self.config._attn_implementation
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if self.gradient_checkpointing and self.training:
+            out = self._gradient_checkpointing_func(
+                self.midlayer.__call__, embeds, hidden_states, position_embeddings, mask, cache
+            )
+        else:
+            out = self.midlayer(embeds, hidden_states, position_embeddings, mask, cache)
+        normed = self.norm(out)
+        head_input = normed[:, -logits_to_keep:] if logits_to_keep > 0 else normed
+        logits = self.lm_head(head_input)
+        return Eagle3DraftOutput(
+            logits=logits, last_hidden_state=normed if self.config.norm_output else out, cache=cache
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # checkpoints (layout detection and conversion live in eagle3_hf.convert)
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls, pretrained_model_name_or_path: str, *model_args: Any, target: PreTrainedModel | None = None, **kwargs: Any
+    ) -> Eagle3DraftModel:
+        """Load a draft in the native, official (SafeAILab), SpecForge or speculators layout (detected).
+
+        With `target`, the draft is checked against it (hidden size, vocabulary, depth), takes its token embedding
+        when the checkpoint has none, and is bound to it so that `target.generate(..., assistant_model=draft)` runs
+        EAGLE-3 tree decoding.
+        """
+        from eagle3_hf.convert import load_draft
+
+        return load_draft(cls, pretrained_model_name_or_path, *model_args, target=target, **kwargs)
+
+    def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
+        """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""
+        from eagle3_hf.generation import bind_target
+
+        bind_target(self, target)
+        return self
+
+
+__all__ = ["Eagle3DraftModel", "Eagle3DraftOutput", "Eagle3PreTrainedModel", "Eagle3DecoderLayer"]
