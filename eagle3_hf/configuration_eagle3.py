@@ -124,6 +124,9 @@ class Eagle3DraftConfig(PretrainedConfig):
             rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
             rope_parameters["rope_theta"] = float(rope_theta if rope_theta is not None else 10000.0)
         kwargs.setdefault("tie_word_embeddings", False)
+        # transformers 5.x configs no longer define the special token ids; the model reads pad_token_id.
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            kwargs.setdefault(name, None)
         super().__init__(**kwargs)
         self.vocab_size = vocab_size
         self.draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size

@@ -246,7 +246,11 @@ def eagle3_decoding(
         valid = attention_mask[0].bool()
         first = int(valid.nonzero()[0]) if valid.any() else input_ids.shape[1]
         if not bool(valid[first:].all()):
-            raise ValueError("EAGLE-3 decoding accepts left padding only; the attention_mask has zeros after a token.")
+            raise ValueError(
+                "EAGLE-3 decoding accepts left padding only, but the attention_mask has zeros after the first token "
+                f"(mask {attention_mask[0].tolist()}). Without an explicit attention_mask, generate() masks every "
+                "prompt token equal to pad_token_id: pass attention_mask=torch.ones_like(input_ids)."
+            )
         padding, input_ids = input_ids[:, :first], input_ids[:, first:]
 
     cache = _editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))

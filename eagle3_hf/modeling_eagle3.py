@@ -15,6 +15,7 @@ The attention, MLP and norms are transformers' own classes for the target family
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,6 +366,22 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         from eagle3_hf.convert import load_draft
 
         return load_draft(cls, pretrained_model_name_or_path, *model_args, target=target, **kwargs)
+
+    def save_pretrained(  # type: ignore[override]
+        self,
+        save_directory: str | os.PathLike,
+        is_main_process: bool = True,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`PreTrainedModel.save_pretrained`, leaving out a token embedding that was never loaded.
+
+        A draft loaded from a checkpoint without an embedding holds random values there until it gets the target's;
+        saving them would make a later load take them for a real embedding.
+        """
+        if not self.embedding_loaded and state_dict is None:
+            state_dict = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+        return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
 
     def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
         """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""

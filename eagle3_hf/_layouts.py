@@ -1,0 +1,295 @@
+"""Config and key translation between our native draft layout and the external EAGLE-3 layouts.
+
+Three checkpoint layouts exist in the wild (details in the design notes, reference §2):
+
+* ``native``: our `Eagle3DraftConfig` (model_type ``eagle3_draft``) and the model's own state-dict keys.
+* ``eagle``: the official SafeAILab checkpoints and SpecForge exports: a one-layer Llama config with
+  ``draft_vocab_size`` and weights under ``midlayer.*``. SpecForge adds ``fc_norm``, ``head_dim``, rope fields,
+  ``target_hidden_size`` and tap ids in the output-of-layer convention (ours minus one).
+* ``speculators``: vLLM's speculators: ``speculators_model_type`` + a nested ``transformer_layer_config``, norm
+  flags, tap ids in our (input-of-layer) convention, weights under ``layers.0.*``.
+
+This module only maps dictionaries; reading and writing files lives in `eagle3_hf.convert`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from eagle3_hf.configuration_eagle3 import Eagle3DraftConfig
+
+NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
+LAYOUTS = (NATIVE, SPECULATORS, EAGLE)
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# Layer families speculators can build (transformer_layer_config.model_type).
+SPECULATORS_LAYER_TYPES = ("llama", "qwen3")
+_SPECULATORS_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Version of the speculators config format these files follow (what its converter writes).
+SPECULATORS_VERSION = "0.4.0.1"
+# Prefixes some exports put in front of every key (a wrapper module's attribute name).
+_KEY_PREFIXES = ("draft_model.", "model.")
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+def normalize_key(key: str) -> str:
+    """Map an external weight name to our state-dict name: strip wrapper prefixes, ``layers.0.`` -> ``midlayer.``."""
+    for prefix in _KEY_PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+            break
+    if key.startswith("layers.0."):
+        key = "midlayer." + key[len("layers.0.") :]
+    return key
+
+
+def detect_layout(config: dict[str, Any], keys: Iterable[str]) -> str:
+    """Which layout a checkpoint uses: ``"native"``, ``"eagle"`` (official/SpecForge) or ``"speculators"``.
+
+    Args:
+        config: the checkpoint's ``config.json`` as a dict.
+        keys: the weight names found in its weights file(s).
+    """
+    if not isinstance(config, dict):
+        raise ValueError(f"Expected the checkpoint's config.json as a dict, got {type(config).__name__}.")
+    if "speculators_model_type" in config:
+        kind = config["speculators_model_type"]
+        if kind != "eagle3":
+            raise ValueError(
+                f"This is a speculators checkpoint of type speculators_model_type={kind!r}; only 'eagle3' drafts "
+                "can be loaded."
+            )
+        return SPECULATORS
+    model_type = config.get("model_type")
+    if model_type == Eagle3DraftConfig.model_type:
+        return NATIVE
+    architectures = list(config.get("architectures") or [])
+    if any(arch in EAGLE_ARCHITECTURES for arch in architectures):
+        return EAGLE
+    names = {normalize_key(k) for k in keys}
+    has_draft_keys = "fc.weight" in names or any(k.startswith("midlayer.") for k in names)
+    if "LlamaForCausalLM" in architectures and config.get("num_hidden_layers", 1) == 1 and has_draft_keys:
+        return EAGLE
+    raise ValueError(
+        f"Cannot tell which EAGLE-3 checkpoint layout this is (model_type={model_type!r}, "
+        f"architectures={architectures}, fc/midlayer weights {'present' if has_draft_keys else 'absent'}). Accepted: "
+        f"native (model_type {Eagle3DraftConfig.model_type!r}); speculators (speculators_model_type 'eagle3'); "
+        f"official/SpecForge (architectures {list(EAGLE_ARCHITECTURES)}, or a one-layer LlamaForCausalLM with "
+        "fc.weight / midlayer.* weights)."
+    )
+
+
+def _required(config: dict[str, Any], names: Iterable[str], where: str) -> None:
+    missing = [n for n in names if config.get(n) is None]
+    if missing:
+        raise ValueError(f"The {where} config lacks required field(s) {missing}.")
+
+
+def rope_parameters_from(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE parameters from a flat HF config: v5 ``rope_parameters``, else ``rope_theta``/``rope_scaling``.
+
+    The default θ is 10000, what the official inference code uses when the draft config has none (never the
+    target's θ: the official training code ignored it too, reference §1 and §6.3).
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params and "full_attention" not in params:
+        params = dict(params)
+    else:
+        scaling = config.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling must be a mapping or null, got {scaling!r}.")
+        params = {k: v for k, v in scaling.items() if k != "type"}
+        params["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    if params.get("rope_theta") is None:
+        theta = config.get("rope_theta")
+        params["rope_theta"] = float(theta) if theta is not None else _DEFAULT_ROPE_THETA
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def _layer_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The single layer's shape from a flat Llama/Qwen3-style config."""
+    _required(config, ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"), where)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    depth = config.get("num_hidden_layers", 1)
+    if depth != 1:
+        raise ValueError(f"The {where} config has num_hidden_layers={depth}; EAGLE-3 drafts have exactly 1 layer.")
+    return {
+        "vocab_size": int(config["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(config["intermediate_size"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
+        # The official code ignores head_dim (uses H/nh); SpecForge and speculators honour it.
+        "head_dim": int(config.get("head_dim") or hidden // heads),
+        "hidden_act": config.get("hidden_act", "silu"),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_parameters": rope_parameters_from(config),
+        "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
+        "pad_token_id": config.get("pad_token_id"),
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": config.get("eos_token_id"),
+    }
+
+
+def eagle_config_kwargs(config: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """`Eagle3DraftConfig` arguments for an official SafeAILab / SpecForge checkpoint (keys already normalised)."""
+    keys = set(keys)
+    fields = _layer_fields(config, "official/SpecForge draft")
+    fields["draft_vocab_size"] = config.get("draft_vocab_size") or config.get("truncated_vocab_size")
+    fields["target_hidden_size"] = config.get("target_hidden_size")
+    # Biases: the official model has none whatever the config says; trust what was saved.
+    fields["attention_bias"] = "midlayer.self_attn.q_proj.bias" in keys
+    fields["mlp_bias"] = "midlayer.mlp.gate_proj.bias" in keys
+    fields["fc_norm"] = bool(config.get("fc_norm", any(k.startswith("fc_norm.") for k in keys)))
+    # SpecForge's `norm_output` only means "norm before lm_head" (always done): not our flag.
+    taps = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if taps is not None:
+        fields["target_layer_ids"] = [int(i) + 1 for i in taps]  # output-of-layer -> input-of-layer ids
+    fields["layer_type"] = "llama"
+    return fields
+
+
+def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """`Eagle3DraftConfig` arguments for a speculators ``eagle3`` checkpoint."""
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(
+            f"A speculators eagle3 config needs a transformer_layer_config mapping, got {type(layer).__name__}."
+        )
+    layer_type = layer.get("model_type")
+    if layer_type not in SPECULATORS_LAYER_TYPES:
+        raise ValueError(
+            f"transformer_layer_config.model_type={layer_type!r} is not supported; expected one of "
+            f"{list(SPECULATORS_LAYER_TYPES)}."
+        )
+    fields = _layer_fields(layer, "speculators transformer_layer_config")
+    fields["layer_type"] = layer_type
+    fields["attention_bias"] = bool(layer.get("attention_bias", False))
+    fields["mlp_bias"] = bool(layer.get("mlp_bias", False))
+    fields["draft_vocab_size"] = config.get("draft_vocab_size")
+    fields["target_hidden_size"] = config.get("target_hidden_size")
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        fields[flag] = bool(config.get(flag, False))
+    taps = config.get("eagle_aux_hidden_state_layer_ids")
+    if taps is not None:
+        fields["target_layer_ids"] = [int(i) for i in taps]  # already input-of-layer ids
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    fields["target_name_or_path"] = verifier.get("name_or_path") or None
+    fields["target_architectures"] = list(verifier.get("architectures") or []) or None
+    return fields
+
+
+def _rope_legacy(rope: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) in the flat pre-v5 form that the official and speculators readers expect."""
+    theta = float(rope["rope_theta"])
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaling["type"] = rope_type  # the official cnets.py reads rope_scaling["type"]
+    return theta, scaling
+
+
+def check_exportable(config: Eagle3DraftConfig, layout: str) -> None:
+    """Raise `ValueError` if `layout` cannot describe this draft exactly (never write a different model)."""
+    problems = []
+    if config.layer_config_overrides:
+        problems.append(f"layer_config_overrides={config.layer_config_overrides}")
+    if layout == EAGLE:
+        if config.layer_type != "llama":
+            problems.append(f"layer_type={config.layer_type!r} (the layout builds a Llama layer)")
+        for flag in ("norm_before_residual", "norm_before_fc", "norm_output"):
+            if getattr(config, flag):
+                problems.append(f"{flag}=True")
+    elif layout == SPECULATORS:
+        if config.layer_type not in SPECULATORS_LAYER_TYPES:
+            problems.append(f"layer_type={config.layer_type!r} (expected one of {list(SPECULATORS_LAYER_TYPES)})")
+    if problems:
+        name = "official/SpecForge" if layout == EAGLE else layout
+        raise ValueError(f"The {name} layout cannot express this draft: " + "; ".join(problems) + ".")
+
+
+def _common_fields(config: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
+    theta, scaling = _rope_legacy(config.rope_parameters)
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": config.attention_bias,
+        "vocab_size": config.vocab_size,
+        "pad_token_id": config.pad_token_id,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name,
+    }
+
+
+def eagle_config_dict(config: Eagle3DraftConfig, dtype_name: str, include_embedding: bool) -> dict[str, Any]:
+    """The ``config.json`` of the official/SpecForge layout (``LlamaForCausalLMEagle3``)."""
+    check_exportable(config, EAGLE)
+    out = {"architectures": [EAGLE_ARCHITECTURES[0]], "model_type": "llama", **_common_fields(config, dtype_name)}
+    out["mlp_bias"] = config.mlp_bias
+    out["draft_vocab_size"] = config.draft_vocab_size
+    # The official loader reads the presence of target_hidden_size as "the embedding is in this checkpoint" and
+    # otherwise copies the target's: write it only when that holds.
+    if include_embedding or config.target_hidden_size != config.hidden_size:
+        out["target_hidden_size"] = config.target_hidden_size
+    if config.fc_norm:
+        out["fc_norm"] = True
+    if config.target_layer_ids is not None:
+        # SpecForge convention: output-of-layer ids, ours minus one.
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.target_layer_ids]}
+    return out
+
+
+def speculators_config_dict(config: Eagle3DraftConfig, dtype_name: str, speculative_tokens: int) -> dict[str, Any]:
+    """The ``config.json`` of the speculators layout (``Eagle3Speculator``)."""
+    check_exportable(config, SPECULATORS)
+    layer = {
+        "architectures": [_SPECULATORS_ARCHITECTURE[config.layer_type]],
+        "model_type": config.layer_type,
+        **_common_fields(config, dtype_name),
+    }
+    if config.layer_type == "llama":
+        layer["mlp_bias"] = config.mlp_bias
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": config.target_layer_ids,
+        "embed_requires_grad": False,
+        "norm_before_residual": config.norm_before_residual,
+        "norm_before_fc": config.norm_before_fc,
+        "fc_norm": config.fc_norm,
+        "norm_output": config.norm_output,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": config.target_name_or_path,
+                "architectures": list(config.target_architectures or []),
+            },
+        },
+        "torch_dtype": dtype_name,
+    }

@@ -1,0 +1,463 @@
+"""Load EAGLE-3 draft checkpoints in any known layout; write the official/SpecForge and speculators layouts.
+
+`Eagle3DraftModel.from_pretrained` lands in `load_draft`, which detects the layout (native, official/SpecForge,
+speculators), maps keys and config to ours and loads strictly: a missing, unexpected or misshapen weight, an invalid
+vocabulary mapping or a truncated file raises `ValueError`. The only weight a checkpoint may lack is the token
+embedding, which the official training code never saves; the target supplies it.
+
+    eagle3-hf convert SRC DST --to {native,speculators,eagle} [--target PATH_OR_NAME] [--include-embedding]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pickle
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from eagle3_hf._layouts import (
+    EAGLE,
+    LAYOUTS,
+    NATIVE,
+    SPECULATORS,
+    detect_layout,
+    eagle_config_dict,
+    eagle_config_kwargs,
+    normalize_key,
+    speculators_config_dict,
+    speculators_config_kwargs,
+)
+from eagle3_hf.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
+
+__all__ = [
+    "LAYOUTS",
+    "add_cli_arguments",
+    "detect_layout",
+    "load_draft",
+    "read_checkpoint",
+    "run_cli",
+    "save_eagle",
+    "save_speculators",
+]
+
+CONFIG_NAME = "config.json"
+# Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)  # fmt: skip
+_HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_only", "subfolder", "proxies")
+EMBED_KEY = "embed_tokens.weight"
+
+
+# ------------------------------------------------------------------------------------------------
+# reading files
+
+
+def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -> str:
+    """A local folder holding the checkpoint: `path_or_id` itself, or a Hub snapshot of it."""
+    path = os.fspath(path_or_id)
+    subfolder = hub_kwargs.pop("subfolder", None) or ""
+    if os.path.isdir(path):
+        return os.path.join(path, subfolder)
+    if os.path.exists(path):
+        raise ValueError(f"Expected a checkpoint folder or a Hub repo id, got the file {path!r}.")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    patterns = [os.path.join(subfolder, p) if subfolder else p for p in ("*.json", "*.safetensors", "*.bin")]
+    try:
+        root = snapshot_download(repo_id=path, allow_patterns=patterns, **hub_kwargs)
+    except (OSError, HFValidationError) as err:
+        raise ValueError(
+            f"{path!r} is neither a local checkpoint folder nor a Hub repo that could be fetched: {err}"
+        ) from err
+    return os.path.join(root, subfolder)
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    try:
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        raise ValueError(f"Could not read the weights file {path!r}; it is truncated or corrupt: {err}") from err
+
+
+def read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder (single file or sharded index), with their stored names."""
+    name = next((n for n in WEIGHT_FILES if os.path.isfile(os.path.join(folder, n))), None)
+    if name is None:
+        found = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        raise ValueError(f"No weights in {folder!r}: expected one of {list(WEIGHT_FILES)}, found {found}.")
+    path = os.path.join(folder, name)
+    if not name.endswith(".index.json"):
+        return _read_file(path)
+    with open(path, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map") or {}
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = os.path.join(folder, shard)
+        if not os.path.isfile(shard_path):
+            raise ValueError(f"{path!r} lists the shard {shard!r}, which is not in {folder!r}.")
+        content = _read_file(shard_path)
+        tensors.update({k: v for k, v in content.items() if weight_map.get(k) == shard})
+    return tensors
+
+
+def read_checkpoint(
+    path_or_id: str | os.PathLike, **hub_kwargs: Any
+) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """``(layout, config.json dict, state dict under our key names)`` of a draft checkpoint, files only."""
+    folder = _resolve_folder(path_or_id, dict(hub_kwargs))
+    config_path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"No {CONFIG_NAME} in the checkpoint folder {folder!r}.")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    raw = read_weights(folder)
+    layout = detect_layout(config, raw.keys())
+    state_dict: dict[str, torch.Tensor] = {}
+    for key, tensor in raw.items():
+        name = normalize_key(key)
+        if name in state_dict:
+            raise ValueError(f"{os.fspath(path_or_id)!r} holds two weights that both map to {name!r}.")
+        state_dict[name] = tensor
+    return layout, config, state_dict
+
+
+def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: str) -> Eagle3DraftConfig:
+    """Our config for a checkpoint of `layout` (RoPE always from the checkpoint itself, never from a target)."""
+    try:
+        if layout == NATIVE:
+            return Eagle3DraftConfig.from_dict(config)
+        fields = speculators_config_kwargs(config) if layout == SPECULATORS else eagle_config_kwargs(config, keys)
+        return Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: invalid draft config: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------------
+# checks
+
+
+def _prepare_vocab(state_dict: dict[str, torch.Tensor], config: Eagle3DraftConfig, source: str) -> None:
+    """Fill in an absent vocabulary mapping (identity, or derived from its other half) and fix its dtypes."""
+    vocab, draft_vocab = config.vocab_size, config.draft_vocab_size
+    d2t, t2d = state_dict.get("d2t"), state_dict.get("t2d")
+    if d2t is not None and (d2t.is_floating_point() or d2t.dtype == torch.bool):
+        raise ValueError(f"{source}: d2t must hold integer offsets, got dtype {d2t.dtype}.")
+    if t2d is not None and t2d.dtype != torch.bool:
+        if t2d.is_floating_point() or not bool(((t2d == 0) | (t2d == 1)).all()):
+            raise ValueError(f"{source}: t2d must be a 0/1 membership mask, got dtype {t2d.dtype}.")
+        t2d = t2d.bool()
+    if d2t is None and t2d is None:
+        if draft_vocab != vocab:
+            raise ValueError(
+                f"{source}: the checkpoint has no d2t/t2d vocabulary mapping, but its draft vocabulary "
+                f"(draft_vocab_size={draft_vocab}) is smaller than the target's (vocab_size={vocab})."
+            )
+        d2t, t2d = torch.zeros(draft_vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
+    elif t2d is None and d2t.ndim == 1:
+        mapped = torch.arange(d2t.numel()) + d2t.long()
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[mapped[(mapped >= 0) & (mapped < vocab)]] = True  # out-of-range ids are reported by the check
+    elif d2t is None and t2d.ndim == 1:
+        ids = t2d.nonzero()[:, 0]
+        d2t = ids - torch.arange(ids.numel())
+    state_dict["d2t"], state_dict["t2d"] = d2t.long(), t2d
+
+
+def _check_state_dict(
+    cls: type, config: Eagle3DraftConfig, state_dict: dict[str, torch.Tensor], source: str
+) -> None:
+    """Raise `ValueError` listing every missing, unexpected and misshapen weight (the embedding may be absent)."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+    missing = sorted(set(expected) - set(state_dict) - {EMBED_KEY})
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong = [
+        f"{k} expected {expected[k]}, got {tuple(v.shape)}"
+        for k, v in sorted(state_dict.items())
+        if k in expected and tuple(v.shape) != expected[k]
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing weight(s) {missing}")
+    if unexpected:
+        problems.append(f"unexpected weight(s) {unexpected}")
+    if wrong:
+        problems.append("wrong shape(s): " + "; ".join(wrong))
+    if problems:
+        flags = {k: getattr(config, k) for k in ("layer_type", "norm_before_fc", "fc_norm", "attention_bias")}
+        raise ValueError(f"{source} does not match its config {flags}: " + " | ".join(problems) + ".")
+    from eagle3_hf.vocab import validate_vocab_mapping
+
+    try:
+        validate_vocab_mapping(state_dict["d2t"], state_dict["t2d"], config.vocab_size)
+    except ValueError as err:
+        raise ValueError(f"{source}: invalid vocabulary mapping: {err}") from err
+
+
+def _check_target(config: Eagle3DraftConfig, target: PreTrainedModel) -> None:
+    """Check the target fits, then fill in the target facts the checkpoint did not record."""
+    text = target.config.get_text_config()
+    model_type = getattr(text, "model_type", None)
+    if model_type not in _TARGET_TO_LAYER_TYPE:
+        raise ValueError(
+            f"Unsupported target architecture model_type={model_type!r} "
+            f"({getattr(target.config, 'architectures', None)}); eagle3_hf supports targets of type "
+            f"{sorted(_TARGET_TO_LAYER_TYPE)}."
+        )
+    config.check_target_config(target.config)
+    if config.target_num_hidden_layers is None:
+        config.target_num_hidden_layers = text.num_hidden_layers
+    if config.target_layer_ids is None:
+        config.target_layer_ids = default_target_layer_ids(text.num_hidden_layers)
+    if config.target_name_or_path is None:
+        config.target_name_or_path = getattr(target.config, "_name_or_path", None) or None
+    if config.target_model_type is None:
+        config.target_model_type = model_type
+    if config.target_architectures is None:
+        config.target_architectures = getattr(target.config, "architectures", None)
+    config.validate()
+
+
+def _embeddings_match(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Equal up to the rounding of the coarser of the two dtypes (a checkpoint may be stored in half precision)."""
+    eps = max(torch.finfo(ours.dtype).eps, torch.finfo(theirs.dtype).eps)
+    scale = float(theirs.detach().abs().max()) or 1.0
+    for start in range(0, ours.shape[0], 8192):  # row chunks: a 128k x 4k embedding in fp32 is 2 GB
+        a = ours[start : start + 8192].detach().float()
+        b = theirs[start : start + 8192].detach().to(a.device).float()
+        if not torch.allclose(a, b, rtol=eps, atol=eps * scale):
+            return False
+    return True
+
+
+def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, replace: bool) -> None:
+    """Give the draft the target's embedding where it has none; refuse one that differs unless `replace`."""
+    config = draft.config
+    target_weight = target.get_input_embeddings().weight
+    if not draft.embedding_loaded or replace:
+        if config.hidden_size != config.target_hidden_size:
+            raise ValueError(
+                f"{source}: the target's token embedding (width {config.target_hidden_size}) cannot serve a draft of "
+                f"hidden_size={config.hidden_size}; such a draft needs its own embedding in the checkpoint."
+            )
+        draft.load_target_embedding(target)
+    elif tuple(draft.embed_tokens.weight.shape) == tuple(target_weight.shape):
+        if not _embeddings_match(draft.embed_tokens.weight, target_weight):
+            raise ValueError(
+                f"{source}: the checkpoint's token embedding differs from the target's. Exports sometimes carry a "
+                "re-initialised random embedding, which silently ruins acceptance. Pass use_target_embedding=True "
+                "to use the target's embedding instead."
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load report: we check keys ourselves, and an absent embedding is expected."""
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_draft(
+    cls: type, path_or_id: str | os.PathLike, *model_args: Any, target: PreTrainedModel | None = None, **kwargs: Any
+) -> Any:
+    """Load an EAGLE-3 draft of class `cls` from a local folder or Hub id in any supported layout.
+
+    Args:
+        cls: the draft class (`Eagle3DraftModel` or a subclass).
+        path_or_id: checkpoint folder or Hub repo id (`revision`, `cache_dir`, `token`, `subfolder`, ... apply).
+        target: the target model. The draft is checked against it, takes its embedding when the checkpoint has
+            none, defaults to its dtype and device, and is bound to it (`draft.bind(target)`).
+        use_target_embedding (`bool`): replace an embedding stored in the checkpoint by the target's; without it, a
+            stored embedding that differs from the target's raises `ValueError`.
+        dtype / torch_dtype, device, device_map, attn_implementation, ...: as for `PreTrainedModel.from_pretrained`;
+            `dtype` defaults to the target's, else to the checkpoint's ("auto").
+    """
+    use_target_embedding = bool(kwargs.pop("use_target_embedding", False))
+    hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    dtype = kwargs.pop("dtype", None)
+    torch_dtype = kwargs.pop("torch_dtype", None)
+    dtype = dtype if dtype is not None else torch_dtype
+    device = kwargs.pop("device", None)
+    config_override = kwargs.pop("config", None)
+    source = repr(os.fspath(path_or_id))
+    if use_target_embedding and target is None:
+        raise ValueError("use_target_embedding=True needs the target: pass target=... as well.")
+
+    layout, raw_config, state_dict = read_checkpoint(path_or_id, **hub_kwargs)
+    if isinstance(config_override, Eagle3DraftConfig):
+        config = config_override
+    elif config_override is not None:
+        raise ValueError(f"config must be an Eagle3DraftConfig, got {type(config_override).__name__}.")
+    else:
+        config = draft_config_from(layout, raw_config, state_dict.keys(), f"{source} ({layout} layout)")
+    if target is not None:
+        _check_target(config, target)
+        reference = target.get_input_embeddings().weight
+        dtype = reference.dtype if dtype is None else dtype
+        if device is None and kwargs.get("device_map") is None:
+            device = reference.device
+    _prepare_vocab(state_dict, config, source)
+    _check_state_dict(cls, config, state_dict, f"{source} ({layout} layout)")
+    has_embedding = EMBED_KEY in state_dict
+
+    with _quiet_transformers():
+        draft, info = PreTrainedModel.from_pretrained.__func__(
+            cls, None, *model_args, config=config, state_dict=state_dict, dtype=dtype or "auto",
+            output_loading_info=True, **kwargs,
+        )  # fmt: skip
+    leftovers = (set(info["missing_keys"]) - {EMBED_KEY}) | set(info["unexpected_keys"]) | set(info["mismatched_keys"])
+    if leftovers or info["error_msgs"]:
+        problems = sorted(map(str, leftovers)) + list(info["error_msgs"])
+        raise ValueError(f"{source}: transformers did not load every weight: {problems}")
+    draft.config._name_or_path = os.fspath(path_or_id)
+    draft.embedding_loaded = has_embedding
+    draft.embed_tokens.weight.requires_grad_(False)  # frozen, like the target's; the reload made a fresh Parameter
+    if device is not None:
+        draft.to(device)
+    if target is not None:
+        _take_target_embedding(draft, target, source, replace=use_target_embedding)
+        draft.bind(target)
+    return draft
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+
+
+def _export_tensors(draft: Any, include_embedding: bool, midlayer_prefix: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for key, tensor in draft.state_dict().items():
+        if key == EMBED_KEY and not include_embedding:
+            continue
+        if key.startswith("midlayer."):
+            key = midlayer_prefix + key[len("midlayer.") :]
+        tensors[key] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
+def _resolve_include_embedding(draft: Any, include_embedding: bool | None) -> bool:
+    if include_embedding is None:
+        return bool(draft.embedding_loaded)
+    if include_embedding and not draft.embedding_loaded:
+        raise ValueError(
+            "include_embedding=True, but this draft has no token embedding (its checkpoint had none); load it with "
+            "target=... or call draft.load_target_embedding(target) first."
+        )
+    return bool(include_embedding)
+
+
+def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _dtype_name(draft: Any) -> str:
+    return str(draft.fc.weight.dtype).removeprefix("torch.")
+
+
+def save_speculators(draft: Any, out_dir: str | os.PathLike, include_embedding: bool | None = None) -> None:
+    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.0.*`` weights, safetensors).
+
+    `include_embedding` defaults to writing the embedding whenever the draft has one. Raises `ValueError` if the
+    draft's layer type is not one speculators builds (llama, qwen3).
+    """
+    include = _resolve_include_embedding(draft, include_embedding)
+    config = speculators_config_dict(draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth)
+    _write(out_dir, config, _export_tensors(draft, include, "layers.0."))
+
+
+def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool = False) -> None:
+    """Write `draft` in the official SafeAILab / SpecForge layout (``LlamaForCausalLMEagle3``, ``midlayer.*``).
+
+    Like the official training code, the embedding is left out unless `include_embedding`. Raises `ValueError` for
+    a draft the layout cannot express (norm_before_residual, norm_before_fc, norm_output, a non-Llama layer) and for
+    one whose hidden size differs from the target's without its own embedding (the target's cannot stand in).
+    """
+    include = _resolve_include_embedding(draft, include_embedding)
+    config = draft.config
+    if not include and config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"This draft's hidden_size={config.hidden_size} differs from target_hidden_size="
+            f"{config.target_hidden_size}, so the target's embedding cannot stand in for its own: pass "
+            "include_embedding=True."
+        )
+    out_config = eagle_config_dict(config, _dtype_name(draft), include)
+    _write(out_dir, out_config, _export_tensors(draft, include, "midlayer."))
+
+
+# ------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="draft checkpoint: a folder or Hub id in any supported layout (detected)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument(
+        "--to", choices=LAYOUTS, default=NATIVE,
+        help="layout to write: native (ours), speculators (vLLM speculators) or eagle (official SafeAILab/SpecForge)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target", default=None,
+        help="target model (short name such as 'smollm2', or a folder): checks the draft against it and supplies "
+             "its embedding when the checkpoint has none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--include-embedding", action="store_true",
+        help="write the token embedding; the official layout omits it otherwise (native and speculators write it "
+             "whenever it is known)",
+    )  # fmt: skip
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+
+    try:
+        target = None
+        if args.target:
+            from eagle3_hf.targets import load_target
+
+            target = load_target(args.target)
+        # dtype "auto": keep the checkpoint's dtype so that the conversion is bit for bit.
+        draft = load_draft(Eagle3DraftModel, args.src, target=target, dtype="auto")
+        include = True if args.include_embedding else None
+        if args.to == SPECULATORS:
+            save_speculators(draft, args.dst, include_embedding=include)
+        elif args.to == EAGLE:
+            save_eagle(draft, args.dst, include_embedding=bool(include))
+        else:
+            _resolve_include_embedding(draft, include)
+            draft.save_pretrained(args.dst)
+    except ValueError as err:
+        print(f"eagle3-hf convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"Wrote {args.to} draft to {args.dst}")
+    return 0

