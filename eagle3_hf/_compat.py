@@ -23,3 +23,10 @@ def output_cache(outputs: Any) -> Any:
     """The cache returned by a transformers forward, under either name."""
     cache = getattr(outputs, "cache", None)
     return cache if cache is not None else getattr(outputs, "past_key_values", None)
+
+
+def generate_output_cache_field() -> str:
+    """Name of the cache field of `GenerateDecoderOnlyOutput` in this transformers release."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"

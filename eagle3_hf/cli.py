@@ -44,33 +44,43 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; each subcommand's own options are added only when it runs (cheap `--help`)."""
     parser = argparse.ArgumentParser(prog="eagle3-hf", description="EAGLE-3 speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.add_argument("--config", default=None, help="JSON/YAML file of option values (flags given here win)")
-        importlib.import_module(module_name).add_cli_arguments(sp)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def build_subparser(command: str) -> argparse.ArgumentParser:
+    module_name, help_text = SUBCOMMANDS[command]
+    parser = argparse.ArgumentParser(prog=f"eagle3-hf {command}", description=help_text)
+    parser.add_argument("--config", default=None, help="JSON/YAML file of option values (flags given here win)")
+    importlib.import_module(module_name).add_cli_arguments(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    top = build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in SUBCOMMANDS:
+        top.error(f"unknown command {command!r}; choose from {', '.join(SUBCOMMANDS)}")
+    parser = build_subparser(command)
+    args = parser.parse_args(rest)
     if args.config:
         # Re-parse with the file's values as defaults so explicit flags still win.
-        sp = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-        known = {a.dest for a in sp._actions}
         values = load_config_file(args.config)
+        known = {action.dest for action in parser._actions}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise SystemExit(f"eagle3-hf {args.command}: unknown option(s) in {args.config}: {', '.join(unknown)}")
-        sp.set_defaults(**values)
-        args = parser.parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+            parser.error(f"unknown option(s) in {args.config}: {', '.join(unknown)}")
+        parser.set_defaults(**values)
+        args = parser.parse_args(rest)
+    module = importlib.import_module(SUBCOMMANDS[command][0])
     return int(module.run_cli(args) or 0)
 
 

@@ -205,12 +205,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def from_target(
         cls, target: PreTrainedModel, draft_vocab_size: int | None = None, **config_overrides: Any
     ) -> Eagle3DraftModel:
-        """A freshly initialised draft for `target`: its config derived from the target's, its embedding copied."""
+        """A freshly initialised draft for `target`: config derived from the target's, embedding copied, and bound
+        to it (so `target.generate(..., assistant_model=draft)` runs EAGLE-3)."""
         config = Eagle3DraftConfig.from_target_config(target.config, draft_vocab_size=draft_vocab_size, **config_overrides)
         draft = cls(config)
         draft.load_target_embedding(target)
         ref = target.get_input_embeddings().weight
-        return draft.to(device=ref.device, dtype=ref.dtype)
+        draft = draft.to(device=ref.device, dtype=ref.dtype)
+        draft.bind(target)
+        return draft
 
     def load_target_embedding(self, target: PreTrainedModel) -> None:
         """Copy (and freeze) the target's token embedding into the draft."""

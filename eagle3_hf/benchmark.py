@@ -1,0 +1,251 @@
+"""`eagle3-hf bench`: plain greedy, prompt lookup, EAGLE-3 chain and EAGLE-3 tree, side by side.
+
+All methods run in one process after a warm-up, interleaved per prompt (these machines are noisy:
+interleaving spreads any slowdown over every method), with the torch thread count fixed and
+reported. Prints a table and writes JSON (and optionally a PNG of acceptance by depth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
+
+
+def read_prompts(path: str, tokenizer: Any, num_prompts: int | None) -> list[torch.Tensor]:
+    """Prompts from MT-bench `question.jsonl` (`turns`, first turn used) or JSONL with `prompt` or `messages`,
+    rendered with the tokenizer's chat template."""
+    prompts: list[list[dict]] = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "turns" in record:
+                messages = [{"role": "user", "content": record["turns"][0]}]
+            elif "messages" in record:
+                messages = [m for m in record["messages"] if m.get("role") != "assistant"][:1] or record["messages"]
+            elif "prompt" in record:
+                messages = [{"role": "user", "content": record["prompt"]}]
+            else:
+                raise ValueError(
+                    f"{path}:{line_no}: expected a record with 'turns' (MT-bench), 'prompt' or 'messages'; "
+                    f"got keys {sorted(record)}."
+                )
+            prompts.append(messages)
+            if num_prompts is not None and len(prompts) >= num_prompts:
+                break
+    if not prompts:
+        raise ValueError(f"No prompts found in {path}.")
+    return [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        for m in prompts
+    ]
+
+
+@dataclass
+class MethodResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float]:
+    """n-alpha: share of cycles whose accepted path reached at least depth d, for d = 1..max_depth, given that
+    the cycle reached depth d-1 (the paper's acceptance rate at position d)."""
+    rates = []
+    for d in range(1, max_depth + 1):
+        reached_prev = sum(1 for a in accept_lengths if a - 1 >= d - 1)
+        reached = sum(1 for a in accept_lengths if a - 1 >= d)
+        rates.append(reached / reached_prev if reached_prev else 0.0)
+    return rates
+
+
+def run_benchmark(
+    target: Any,
+    draft: Any,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    tree_kwargs: dict[str, Any] | None = None,
+    methods: tuple[str, ...] = METHODS,
+    warmup_tokens: int = 16,
+) -> dict[str, Any]:
+    """Measure every method on every prompt (interleaved); return the report dict."""
+    tree_kwargs = dict(tree_kwargs or {})
+    sample = temperature > 0
+    common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": sample}
+    if sample:
+        common.update(temperature=temperature, top_k=0)
+    depth = tree_kwargs.get("tree_depth", draft.config.tree_depth)
+    chain_kwargs = {k: v for k, v in tree_kwargs.items() if k not in ("tree_top_k", "tree_total_tokens")}
+
+    def call(method: str, ids: torch.Tensor, max_new: int) -> Any:
+        kwargs = dict(common, max_new_tokens=max_new, attention_mask=torch.ones_like(ids))
+        if method == "plain":
+            return target.generate(ids, **kwargs)
+        if method == "prompt_lookup":
+            return target.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
+        if method == "eagle3_chain":
+            return target.generate(
+                ids, assistant_model=draft, return_dict_in_generate=True, tree_top_k=1,
+                tree_total_tokens=depth + 1, **chain_kwargs, **kwargs,
+            )
+        return target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **tree_kwargs, **kwargs)
+
+    results = {m: MethodResult() for m in methods}
+    with torch.no_grad():
+        for m in methods:  # warm-up: first calls pay for allocations and lazy initialisation
+            call(m, prompts[0].to(target.device), warmup_tokens)
+        for ids in tqdm(prompts, desc="Benchmark", unit="prompt"):
+            ids = ids.to(target.device)
+            for m in methods:
+                torch.manual_seed(0)
+                start = time.perf_counter()
+                out = call(m, ids, max_new_tokens)
+                seconds = time.perf_counter() - start
+                sequences = out.sequences if hasattr(out, "sequences") else out
+                new = sequences[0, ids.shape[1] :].tolist()
+                r = results[m]
+                r.seconds += seconds
+                r.tokens += len(new)
+                r.outputs.append(new)
+                if getattr(out, "accept_lengths", None) is not None:
+                    r.accept_lengths.extend(out.accept_lengths)
+    report: dict[str, Any] = {"tokens_per_s": {m: results[m].tokens_per_s for m in methods}}
+    plain = results.get("plain")
+    tree = results.get("eagle3_tree")
+    if tree is not None:
+        drafted = tree.accept_lengths
+        report["tau"] = sum(drafted) / len(drafted) if drafted else 0.0
+        report["acceptance_by_depth"] = acceptance_by_depth(drafted, depth)
+    if "eagle3_chain" in results and results["eagle3_chain"].accept_lengths:
+        chain = results["eagle3_chain"].accept_lengths
+        report["tau_chain"] = sum(chain) / len(chain)
+    if plain is not None and tree is not None:
+        report["speedup"] = tree.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+        if not sample:
+            same = sum(a == b for a, b in zip(plain.outputs, tree.outputs))
+            report["identical"] = same / len(plain.outputs)
+    if plain is not None:
+        report["speedup_by_method"] = {
+            m: (results[m].tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0) for m in methods
+        }
+    report["tokens"] = {m: results[m].tokens for m in methods}
+    report["seconds"] = {m: results[m].seconds for m in methods}
+    return report
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{'method':<16}{'tokens/s':>10}{'speedup':>9}"]
+    for m, tps in report["tokens_per_s"].items():
+        lines.append(f"{m:<16}{tps:>10.2f}{report.get('speedup_by_method', {}).get(m, 0.0):>8.2f}x")
+    if "tau" in report:
+        lines.append(f"tau (tree, incl. bonus): {report['tau']:.2f}")
+    if "tau_chain" in report:
+        lines.append(f"tau (chain, incl. bonus): {report['tau_chain']:.2f}")
+    if "identical" in report:
+        lines.append(f"greedy outputs identical to plain: {report['identical']:.0%}")
+    if "acceptance_by_depth" in report:
+        lines.append("acceptance by depth: " + " ".join(f"{a:.2f}" for a in report["acceptance_by_depth"]))
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib).") from err
+    rates = report["acceptance_by_depth"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, len(rates) + 1), rates)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"EAGLE-3 acceptance by depth (tau {report.get('tau', 0):.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_cli_arguments(parser: Any) -> None:
+    parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
+    parser.add_argument("--draft", default=None, help="draft folder (default: the draft shipped for the target)")
+    parser.add_argument("--prompts", default=None, help="MT-bench question.jsonl, or JSONL with prompt/messages")
+    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steady on a busy machine)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--tree-depth", type=int, default=None)
+    parser.add_argument("--tree-top-k", type=int, default=None)
+    parser.add_argument("--tree-total-tokens", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here")
+
+
+def run_cli(args: Any) -> int:
+    from eagle3_hf.hub import default_prompts_path, load_draft_for
+    from eagle3_hf.targets import load_target, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"eagle3-hf bench: unknown method(s) {unknown}; choose from {list(METHODS)}")
+    dtype = getattr(torch, args.dtype)
+    target = load_target(args.target, dtype=dtype, device=args.device)
+    tokenizer = load_tokenizer(args.target)
+    draft = load_draft_for(args.target, target, args.draft)
+    prompts = read_prompts(args.prompts or default_prompts_path(), tokenizer, args.num_prompts)
+    tree_kwargs = {
+        k: v
+        for k, v in {
+            "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens
+        }.items()
+        if v is not None
+    }
+    report = run_benchmark(target, draft, prompts, args.max_new_tokens, args.temperature, tree_kwargs, methods)
+    report["config"] = {
+        "target": args.target, "draft": args.draft or "shipped", "dtype": args.dtype, "device": args.device,
+        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        **tree_kwargs,
+    }
+    report["environment"] = environment()
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot and "acceptance_by_depth" in report:
+        plot_acceptance(report, args.plot)
+    return 0
