@@ -1,0 +1,454 @@
+"""Target features for training: computed online from the frozen target, or precomputed to safetensors shards.
+
+A training batch carries, besides ``input_ids`` / ``attention_mask`` / ``loss_mask``:
+
+* ``target_hidden_states`` ``[B, S, 3*Ht]``: the target's low|mid|high taps at each position;
+* ``target_logits`` ``[B, S, Vd]``: the target logits at the draft-vocabulary ids (``logits[..., t2d]``).
+
+Both are zero on padding, so online and offline batches are the same tensors. Offline shards store the logits
+restricted to the draft vocabulary (not the final hidden state): the loss needs nothing else, no target head has to
+be kept around at training time, and the disk cost per token is ``(3*Ht + Vd)`` values, bounded by the draft
+vocabulary. The draft vocabulary must therefore be chosen before precomputing; it is saved next to the shards.
+
+Folder layout: ``features.json`` (manifest), ``draft_vocab.safetensors`` (``d2t``, ``t2d``) and
+``shard_00000.safetensors`` ... each holding the concatenated rows of ``shard_size`` samples (``input_ids``,
+``loss_mask``, ``features``, ``logits`` and row ``offsets``). A shard is written to a temporary name and renamed, so
+an interrupted run resumes at the first missing shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from datasets import Dataset
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset as TorchDataset
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from eagle3_hf.configuration_eagle3 import default_target_layer_ids
+from eagle3_hf.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.ttt import restrict_to_draft_vocab
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "features.json"
+VOCAB_NAME = "draft_vocab.safetensors"
+_FORMAT = "eagle3_hf.features/1"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = ["OfflineFeatureDataset", "estimate_feature_bytes", "online_features", "precompute_features"]
+
+
+def _base_draft(draft: Eagle3DraftModel) -> Eagle3DraftModel:
+    return draft.get_base_model() if hasattr(draft, "get_base_model") else draft
+
+
+@torch.no_grad()
+def _target_forward(
+    target: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    taps: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+    t2d: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    features = taps(out.hidden_states)  # [B, S, 3Ht]
+    logits = restrict_to_draft_vocab(out.logits, t2d)  # [B, S, Vd]
+    if attention_mask is not None:  # zero on padding: online batches then equal the zero-padded offline ones
+        keep = attention_mask[..., None].bool()
+        features, logits = features * keep, logits * keep
+    return features, logits
+
+
+def online_features(
+    target: PreTrainedModel,
+    draft: Eagle3DraftModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the frozen `target` without gradients: ``(target_hidden_states [B, S, 3Ht], target_logits [B, S, Vd])``.
+
+    The taps are the draft's (`draft.target_features`, i.e. its config's layer ids) and the logits are restricted to
+    its draft vocabulary (`draft.t2d`); both are zero on padding. The target should be in eval mode; a PEFT-wrapped
+    target gives the adapted features.
+
+    Example:
+
+    ```python
+    >>> features, logits = online_features(target, draft, batch["input_ids"], batch["attention_mask"])  # doctest: +SKIP
+    ```
+    """
+    draft = _base_draft(draft)
+    return _target_forward(target, input_ids, attention_mask, draft.target_features, draft.t2d)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# offline: precompute to shards
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class _TokenRows:
+    """Random access to the ``(input_ids, loss_mask)`` of tokenised rows without copying a `datasets.Dataset`."""
+
+    def __init__(self, dataset: Iterable[Mapping]) -> None:
+        if isinstance(dataset, Dataset):
+            missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
+            if missing:
+                raise ValueError(f"The dataset lacks the column(s) {sorted(missing)}; it has {dataset.column_names}.")
+            dataset = dataset.select_columns(["input_ids", "loss_mask"])
+        elif not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            dataset = list(dataset)
+        self.data = dataset
+        if len(self.data) == 0:
+            raise ValueError("The dataset is empty: there is nothing to precompute.")
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[list[int], list[int]]:
+        row = self.data[index]
+        if "input_ids" not in row or "loss_mask" not in row:
+            raise ValueError(
+                f"Row {index} has keys {sorted(row)}; expected tokenised rows with input_ids and loss_mask."
+            )
+        ids, mask = [int(i) for i in row["input_ids"]], [int(m) for m in row["loss_mask"]]
+        if len(ids) != len(mask) or not ids:
+            raise ValueError(
+                f"Row {index} has {len(ids)} input_ids and {len(mask)} loss_mask values; expected equal, > 0."
+            )
+        return ids, mask
+
+
+def estimate_feature_bytes(
+    num_tokens: int, target_hidden_size: int, draft_vocab_size: int, dtype: torch.dtype, num_samples: int = 0
+) -> int:
+    """Bytes the shards of `num_tokens` tokens take: features and logits in `dtype`, int64 ids, uint8 mask."""
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = (3 * target_hidden_size + draft_vocab_size) * element + 8 + 1
+    return num_tokens * per_token + 8 * num_samples + 4096  # offsets and the safetensors headers
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _existing_parent(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _write_json(path: str, data: dict) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(temporary, path)
+
+
+def _shard_path(folder: str, index: int) -> str:
+    return os.path.join(folder, f"shard_{index:05d}.safetensors")
+
+
+def precompute_features(
+    target: PreTrainedModel,
+    dataset: Iterable[Mapping],
+    output_dir: str | os.PathLike,
+    layer_ids: list[int] | None = None,
+    shard_size: int = 256,
+    t2d: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    batch_size: int = 1,
+) -> list[str]:
+    """Run `target` over tokenised rows and write the features to safetensors shards in `output_dir`.
+
+    Args:
+        dataset: rows with ``input_ids`` and ``loss_mask`` (e.g. `eagle3_hf.data.build_dataset`'s output).
+        layer_ids: taps as indices into ``output_hidden_states``; default ``[2, L//2, L-3]``.
+        shard_size: samples per shard (the unit of resumption).
+        t2d: ``[V]`` bool draft vocabulary; the logits are stored at these ids only. `None` keeps every id.
+        dtype: storage dtype of features and logits (bfloat16 halves the disk; float32 reproduces online features).
+        batch_size: rows per target forward (right-padded; each row is stored at its own length).
+
+    The disk size is estimated and printed first; if the free space cannot hold what remains to be written a
+    `ValueError` is raised before anything is written. Rerunning with the same arguments skips complete shards;
+    a folder holding features of other data or settings is refused. Returns the shard paths.
+
+    Example:
+
+    ```python
+    >>> from eagle3_hf.features import OfflineFeatureDataset, precompute_features
+    >>> paths = precompute_features(target, dataset, "features/", t2d=draft.t2d)  # doctest: +SKIP
+    >>> OfflineFeatureDataset("features/")[0]["target_hidden_states"].shape  # doctest: +SKIP
+    torch.Size([412, 1728])
+    ```
+    """
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}.")
+    output_dir = os.fspath(output_dir)
+    text = target.config.get_text_config()
+    vocab, hidden = text.vocab_size, text.hidden_size
+    layer_ids = list(layer_ids) if layer_ids is not None else default_target_layer_ids(text.num_hidden_layers)
+    if len(layer_ids) != 3 or not all(0 <= i <= text.num_hidden_layers for i in layer_ids):
+        raise ValueError(f"layer_ids must be three indices in [0, {text.num_hidden_layers}], got {layer_ids}.")
+    t2d = torch.ones(vocab, dtype=torch.bool) if t2d is None else t2d.detach().cpu().bool()
+    if t2d.shape != (vocab,):
+        raise ValueError(f"t2d must have shape ({vocab},) (the target vocabulary), got {tuple(t2d.shape)}.")
+    rows = _TokenRows(dataset)
+    digest, lengths = hashlib.sha256(), []  # one streaming pass: row lengths and a fingerprint of the data
+    for index in range(len(rows)):
+        ids, mask = rows[index]
+        lengths.append(len(ids))
+        digest.update(torch.tensor(ids + [-1] + mask, dtype=torch.int64).numpy().tobytes())
+    digest.update(t2d.numpy().tobytes())
+    dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
+    manifest = {
+        "format": _FORMAT,
+        "num_samples": len(rows),
+        "num_tokens": sum(lengths),
+        "shard_size": shard_size,
+        "num_shards": math.ceil(len(rows) / shard_size),
+        "layer_ids": layer_ids,
+        "target_hidden_size": hidden,
+        "vocab_size": vocab,
+        "draft_vocab_size": int(t2d.sum()),
+        "dtype": dtype_name,
+        "target": getattr(target.config, "_name_or_path", None) or None,
+        "fingerprint": digest.hexdigest(),
+    }
+    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
+    if os.path.isfile(manifest_path):
+        with open(manifest_path, encoding="utf-8") as f:
+            old = json.load(f)
+        changed = [k for k in manifest if k != "target" and old.get(k) != manifest[k]]
+        if changed:
+            differences = ", ".join(f"{k}: {old.get(k)!r} -> {manifest[k]!r}" for k in changed)
+            raise ValueError(
+                f"{output_dir!r} already holds features of another run ({differences}); "
+                "use another folder, or delete this one to start over."
+            )
+    elif os.path.isdir(output_dir) and any(n.startswith("shard_") for n in os.listdir(output_dir)):
+        raise ValueError(f"{output_dir!r} holds shards but no {MANIFEST_NAME}; use an empty folder.")
+
+    spans = [(k * shard_size, min((k + 1) * shard_size, len(rows))) for k in range(manifest["num_shards"])]
+    pending = [k for k in range(len(spans)) if not os.path.isfile(_shard_path(output_dir, k))]
+    pending_tokens = sum(sum(lengths[slice(*spans[k])]) for k in pending)
+    pending_samples = sum(spans[k][1] - spans[k][0] for k in pending)
+    total = estimate_feature_bytes(manifest["num_tokens"], hidden, manifest["draft_vocab_size"], dtype, len(rows))
+    needed = estimate_feature_bytes(pending_tokens, hidden, manifest["draft_vocab_size"], dtype, pending_samples)
+    free = shutil.disk_usage(_existing_parent(output_dir)).free
+    print(
+        f"Offline features: {len(rows)} samples, {manifest['num_tokens']} tokens, about {_fmt_bytes(total)} in "
+        f"{dtype_name} ({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
+        f"{_fmt_bytes(free)} free in {_existing_parent(output_dir)}."
+    )
+    if needed > free:
+        raise ValueError(
+            f"Not enough disk for the offline features: about {_fmt_bytes(needed)} are needed in {output_dir!r} but "
+            f"only {_fmt_bytes(free)} are free. Use a smaller --draft-vocab-size, bfloat16, fewer or shorter samples, "
+            "another folder, or online features (no disk)."
+        )
+    os.makedirs(output_dir, exist_ok=True)
+    if not os.path.isfile(manifest_path):
+        save_file({"d2t": (torch.nonzero(t2d)[:, 0] - torch.arange(int(t2d.sum()))).contiguous(), "t2d": t2d},
+                  os.path.join(output_dir, VOCAB_NAME))  # fmt: skip
+        _write_json(manifest_path, manifest)  # last: a manifest means the folder is set up
+    device = next(target.parameters()).device
+    t2d_device = t2d.to(device)
+
+    def taps(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return select_target_features(hidden_states, layer_ids)
+
+    for name in os.listdir(output_dir):
+        if name.startswith(".shard_") and name.endswith(".tmp"):
+            os.remove(os.path.join(output_dir, name))  # left by a killed run
+    was_training = target.training
+    target.eval()
+    try:
+        _write_shards(target, rows, spans, pending, output_dir, taps, t2d_device, dtype, batch_size, device)
+    finally:
+        target.train(was_training)
+    return [_shard_path(output_dir, k) for k in range(len(spans))]
+
+
+def _write_shards(
+    target: PreTrainedModel,
+    rows: _TokenRows,
+    spans: list[tuple[int, int]],
+    pending: list[int],
+    output_dir: str,
+    taps: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+    t2d: torch.Tensor,
+    dtype: torch.dtype,
+    batch_size: int,
+    device: torch.device,
+) -> None:
+    pending_samples = sum(spans[k][1] - spans[k][0] for k in pending)
+    with tqdm(total=pending_samples, unit="sample", desc="Precomputing target features") as progress:
+        for k in pending:
+            ids_out, mask_out, feats_out, logits_out, lengths = [], [], [], [], []
+            for start in range(spans[k][0], spans[k][1], batch_size):
+                chunk = [rows[i] for i in range(start, min(start + batch_size, spans[k][1]))]
+                width = max(len(ids) for ids, _ in chunk)
+                input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                attention = torch.zeros(len(chunk), width, dtype=torch.long)
+                for r, (ids, _) in enumerate(chunk):
+                    input_ids[r, : len(ids)] = torch.tensor(ids)
+                    attention[r, : len(ids)] = 1
+                features, logits = _target_forward(
+                    target, input_ids.to(device), attention.to(device) if len(chunk) > 1 else None, taps, t2d
+                )
+                for r, (ids, mask) in enumerate(chunk):
+                    n = len(ids)
+                    ids_out.append(torch.tensor(ids, dtype=torch.int64))
+                    mask_out.append(torch.tensor(mask, dtype=torch.uint8))
+                    feats_out.append(features[r, :n].to("cpu", dtype))
+                    logits_out.append(logits[r, :n].to("cpu", dtype))
+                    lengths.append(n)
+                progress.update(len(chunk))
+            tensors = {
+                "input_ids": torch.cat(ids_out),
+                "loss_mask": torch.cat(mask_out),
+                "features": torch.cat(feats_out).contiguous(),
+                "logits": torch.cat(logits_out).contiguous(),
+                "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+            }
+            temporary = os.path.join(output_dir, f".shard_{k:05d}.tmp")
+            save_file(tensors, temporary, metadata={"first_sample": str(spans[k][0]), "num_samples": str(len(lengths))})
+            os.replace(temporary, _shard_path(output_dir, k))  # atomic: a shard exists whole or not at all
+
+
+class OfflineFeatureDataset(TorchDataset):
+    """Rows of a folder written by `precompute_features`, as tensors ready for `Eagle3DataCollator`.
+
+    Each row holds ``input_ids`` ``[S]``, ``attention_mask`` ``[S]``, ``loss_mask`` ``[S]``, ``target_hidden_states``
+    ``[S, 3*Ht]`` and ``target_logits`` ``[S, Vd]`` (in the stored dtype). Attributes: ``manifest``, ``layer_ids``,
+    ``t2d``, ``d2t`` (the draft vocabulary the logits were restricted to).
+
+    Example:
+
+    ```python
+    >>> data = OfflineFeatureDataset("features/")  # doctest: +SKIP
+    >>> draft.set_draft_vocab(data.d2t, data.t2d)  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = os.fspath(folder)
+        path = os.path.join(self.folder, MANIFEST_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{self.folder!r} holds no {MANIFEST_NAME}: it is not a folder written by precompute_features."
+            )
+        with open(path, encoding="utf-8") as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format") != _FORMAT:
+            raise ValueError(f"{path} has format {self.manifest.get('format')!r}, expected {_FORMAT!r}.")
+        missing = [k for k in range(self.manifest["num_shards"]) if not os.path.isfile(_shard_path(self.folder, k))]
+        if missing:
+            raise ValueError(
+                f"{self.folder!r} is incomplete: {len(missing)} of {self.manifest['num_shards']} shards are missing "
+                f"(first: {os.path.basename(_shard_path(self.folder, missing[0]))}); rerun the same precompute to "
+                "finish it."
+            )
+        vocab = load_file(os.path.join(self.folder, VOCAB_NAME))
+        self.t2d, self.d2t = vocab["t2d"], vocab["d2t"]
+        self.layer_ids: list[int] = list(self.manifest["layer_ids"])
+        self._offsets: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} samples.")
+        index %= len(self)
+        shard, local = divmod(index, int(self.manifest["shard_size"]))
+        with safe_open(_shard_path(self.folder, shard), framework="pt") as f:
+            if shard not in self._offsets:
+                self._offsets[shard] = f.get_tensor("offsets").tolist()
+            start, end = self._offsets[shard][local], self._offsets[shard][local + 1]
+            row = {key: f.get_slice(key)[start:end] for key in ("input_ids", "loss_mask", "features", "logits")}
+        return {
+            "input_ids": row["input_ids"].long(),
+            "attention_mask": torch.ones(end - start, dtype=torch.long),
+            "loss_mask": row["loss_mask"].long(),
+            "target_hidden_states": row["features"],
+            "target_logits": row["logits"],
+        }
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# command line: eagle3-hf features
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
+    parser.add_argument("--data", required=True, help="conversations: ShareGPT/messages JSON(L) or a folder of shards")
+    parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
+    vocab = parser.add_mutually_exclusive_group()
+    vocab.add_argument("--draft-vocab-size", type=int, default=None, help="build a draft vocabulary of this size")
+    vocab.add_argument("--vocab", default=None, help="draft vocabulary file written by `eagle3-hf vocab`")
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--max-conversations", type=int, default=None)
+    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--layer-ids", default=None, help="three comma-separated output_hidden_states indices "
+                        "(default 2,L//2,L-3)")  # fmt: skip
+    parser.add_argument("--storage-dtype", default="bfloat16", choices=list(_DTYPES), help="dtype on disk")
+    parser.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="dtype the target runs in")
+    parser.add_argument("--device", default="cpu")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from eagle3_hf.targets import load_target
+    from eagle3_hf.trainer import load_tokenised_data
+    from eagle3_hf.vocab import build_draft_vocab, load_draft_vocab
+
+    try:
+        layer_ids = None
+        if args.layer_ids:
+            try:
+                layer_ids = [int(i) for i in args.layer_ids.split(",")]
+            except ValueError:
+                raise ValueError(
+                    f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
+                ) from None
+        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+        target = load_target(args.target, dtype=_DTYPES[args.dtype], device=args.device)
+        t2d = None
+        if args.vocab:
+            t2d = load_draft_vocab(args.vocab).t2d
+        elif args.draft_vocab_size:
+            vocab = build_draft_vocab(dataset, target.config.get_text_config().vocab_size, args.draft_vocab_size)
+            print(f"Draft vocabulary: {args.draft_vocab_size} ids covering {100 * vocab.coverage:.2f}% of "
+                  "supervised tokens.")  # fmt: skip
+            t2d = vocab.t2d
+        shards = precompute_features(
+            target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, t2d=t2d,
+            dtype=_DTYPES[args.storage_dtype], batch_size=args.batch_size,
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"eagle3-hf features: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(shards)} shards in {args.output}")
+    return 0

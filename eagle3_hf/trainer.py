@@ -1,0 +1,462 @@
+"""Train EAGLE-3 drafts with `transformers.Trainer`: TTT loss, online/offline target features, acceptance metrics.
+
+`Eagle3Trainer` trains the draft (optionally PEFT-wrapped); the frozen target (online features) lives on the trainer,
+outside the optimizer, the accelerate wrapping and the checkpoints. Checkpoints and `save_model` hold the draft in
+its native layout (`Eagle3DraftModel.from_pretrained` reloads it), or the adapter for a PEFT draft.
+
+Logged next to the loss (averaged over the logging interval, summed across processes): ``acc_0..acc_{K-1}`` (share
+of supervised positions where the draft's argmax equals the target's at TTT step j), ``loss_0..loss_{K-1}`` and
+``sim_accept_len = 1 + sum_j prod_{i<=j} acc_i``, the chain acceptance length those accuracies imply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import functools
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from eagle3_hf.features import OfflineFeatureDataset, online_features
+from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
+from eagle3_hf.vocab import DraftVocab, build_draft_vocab
+
+logger = logging.getLogger(__name__)
+
+FEATURE_KEYS = ("target_hidden_states", "target_logits")
+
+__all__ = [
+    "Eagle3DataCollator",
+    "Eagle3Trainer",
+    "Eagle3TrainingArguments",
+    "install_draft_vocab",
+    "load_tokenised_data",
+]
+
+
+@dataclass
+class Eagle3TrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the EAGLE-3 settings.
+
+    Args:
+        ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
+        ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
+        feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
+            ``target_hidden_states`` / ``target_logits``, e.g. from `OfflineFeatureDataset`).
+        draft_vocab_size: expected size of the draft head; checked against the draft when given.
+        max_length: longer rows are cut by the default collator.
+        build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
+            ``0..Vd-1``), build it from the training data's supervised tokens before training.
+
+    `remove_unused_columns` defaults to False (the batches carry ``loss_mask`` and features the draft's forward does
+    not name).
+    """
+
+    ttt_length: int = field(default=7, metadata={"help": "TTT steps per position"})
+    ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of step j is ttt_decay**j"})
+    feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
+    draft_vocab_size: int | None = field(default=None, metadata={"help": "expected draft vocabulary size"})
+    max_length: int | None = field(default=2048, metadata={"help": "cut longer rows in the default collator"})
+    build_draft_vocab: bool = field(default=True, metadata={"help": "build a placeholder draft vocabulary from data"})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "keep loss_mask and feature columns"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.ttt_length, int) or self.ttt_length < 1:
+            raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
+        if self.feature_mode not in ("online", "offline"):
+            raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be None or >= 2, got {self.max_length!r}.")
+
+
+@dataclass
+class Eagle3DataCollator:
+    """Right-pad rows into a batch; ``loss_mask`` and ``attention_mask`` are 0 on padding, features 0.
+
+    Rows hold ``input_ids`` and ``loss_mask`` (lists or tensors), optionally ``attention_mask`` and the offline
+    features ``target_hidden_states`` ``[S, 3Ht]`` / ``target_logits`` ``[S, Vd]``; other keys (``id``) are dropped.
+
+    Example:
+
+    ```python
+    >>> from eagle3_hf.trainer import Eagle3DataCollator
+    >>> rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}]
+    >>> batch = Eagle3DataCollator()(rows)
+    >>> batch["input_ids"].tolist(), batch["loss_mask"].tolist(), batch["attention_mask"].tolist()
+    ([[5, 6, 7], [8, 0, 0]], [[0, 1, 1], [1, 0, 0]], [[1, 1, 1], [1, 0, 0]])
+    ```
+    """
+
+    pad_token_id: int = 0
+    max_length: int | None = None
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not rows:
+            raise ValueError("Cannot collate an empty list of rows.")
+        for index, row in enumerate(rows):
+            missing = {"input_ids", "loss_mask"} - set(row)
+            if missing:
+                raise ValueError(f"Row {index} lacks {sorted(missing)}; it has {sorted(row)}.")
+        lengths = [min(len(r["input_ids"]), self.max_length or len(r["input_ids"])) for r in rows]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch: dict[str, torch.Tensor] = {}
+        keys = ["input_ids", "attention_mask", "loss_mask"] + [k for k in FEATURE_KEYS if k in rows[0]]
+        for key in keys:
+            values = []
+            for row, n in zip(rows, lengths):
+                if key == "attention_mask" and key not in row:
+                    value = torch.ones(n, dtype=torch.long)
+                else:
+                    value = torch.as_tensor(row[key])[:n]
+                    value = value.long() if key != "target_hidden_states" and key != "target_logits" else value
+                values.append(value)
+            fill = self.pad_token_id if key == "input_ids" else 0
+            out = values[0].new_full((len(rows), width, *values[0].shape[1:]), fill)
+            for r, value in enumerate(values):
+                out[r, : value.shape[0]] = value
+            batch[key] = out
+        return batch
+
+
+def _base_draft(model: nn.Module) -> Eagle3DraftModel:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def install_draft_vocab(draft: nn.Module, dataset: Dataset | Any) -> DraftVocab:
+    """Build the draft vocabulary from `dataset`'s supervised tokens (``loss_mask == 1``) and install it in `draft`.
+
+    Returns the `DraftVocab` (its ``coverage`` is the share of supervised tokens the draft can propose).
+    """
+    base = _base_draft(draft)
+    vocab = build_draft_vocab(dataset, base.config.vocab_size, base.config.draft_vocab_size)
+    base.set_draft_vocab(vocab.d2t, vocab.t2d)
+    logger.info(
+        "Draft vocabulary: %d of %d target ids, covering %.2f%% of supervised tokens (%d ids seen, %d padded).",
+        vocab.draft_vocab_size, vocab.target_vocab_size, 100 * vocab.coverage, vocab.num_seen, vocab.num_padded,
+    )  # fmt: skip
+    return vocab
+
+
+@contextlib.contextmanager
+def _routed_forward(module: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
+    """Make `module(...)` run `fn(...)` while the context is open.
+
+    DistributedDataParallel synchronises gradients only for work done inside its own forward, so the TTT computation
+    must run as the wrapped module's forward; an instance attribute shadows the class's `forward` for that call.
+    """
+    saved = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        yield
+    finally:
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
+
+
+class Eagle3Trainer(Trainer):
+    r"""`Trainer` for EAGLE-3 drafts: features (online from `target`, or offline in the batch) -> TTT -> loss.
+
+    Distributed training runs one process per device (`accelerate launch`, `torchrun`) under DDP; the TTT
+    computation goes through DDP's forward so that gradients are averaged. FSDP and DeepSpeed are not supported yet.
+
+    Args:
+        model: the draft (`Eagle3DraftModel`, or a `peft.PeftModel` around one).
+        args: `Eagle3TrainingArguments`.
+        target: the frozen target (online mode): put in eval mode, without gradients, on the training device; it
+            is not handed to the optimizer, accelerate or the checkpoints. A PEFT-wrapped target works.
+        other arguments: as for `Trainer`; the default collator is `Eagle3DataCollator`.
+
+    Example:
+
+    ```python
+    >>> args = Eagle3TrainingArguments("out", max_steps=100, per_device_train_batch_size=2)  # doctest: +SKIP
+    >>> trainer = Eagle3Trainer(draft, args, target=target, train_dataset=dataset)  # doctest: +SKIP
+    >>> trainer.train(); trainer.save_model("out")  # doctest: +SKIP
+    ```
+    """
+
+    # compute_loss returns a per-micro-batch mean, so the Trainer must divide it by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: Eagle3TrainingArguments,
+        target: PreTrainedModel | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(args, Eagle3TrainingArguments):
+            raise ValueError(f"args must be Eagle3TrainingArguments, got {type(args).__name__}.")
+        draft = _base_draft(model)
+        if not isinstance(draft, Eagle3DraftModel):
+            raise ValueError(
+                f"model must be an Eagle3DraftModel (or a PEFT model around one), got {type(draft).__name__}."
+            )
+        if args.draft_vocab_size is not None and args.draft_vocab_size != draft.config.draft_vocab_size:
+            raise ValueError(
+                f"args.draft_vocab_size={args.draft_vocab_size} but the draft's head predicts "
+                f"{draft.config.draft_vocab_size} tokens."
+            )
+        if args.feature_mode == "online":
+            if target is None:
+                raise ValueError("feature_mode='online' needs the frozen target: pass target=... .")
+            draft.config.check_target_config(target.config)
+            target.requires_grad_(False)
+            target.eval()
+        if args.n_gpu > 1:
+            raise ValueError(
+                "Eagle3Trainer does not support torch.nn.DataParallel; launch one process per GPU with "
+                "`accelerate launch` or `torchrun` instead."
+            )
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None:
+                self._check_dataset(draft, dataset, args, name)
+        if data_collator is None:
+            pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
+            data_collator = Eagle3DataCollator(pad_token_id=pad, max_length=args.max_length)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, **kwargs,
+        )  # fmt: skip
+        # Our compute_loss takes no loss kwargs; this keeps the Trainer from counting label tokens for it.
+        self.model_accepts_loss_kwargs = False
+        self.target = target.to(self.args.device) if target is not None else None
+        self._metric_sums: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _check_dataset(draft: Eagle3DraftModel, dataset: Any, args: Eagle3TrainingArguments, name: str) -> None:
+        if args.feature_mode == "offline":
+            row = dataset[0]
+            missing = [k for k in FEATURE_KEYS if k not in row]
+            if missing:
+                raise ValueError(
+                    f"feature_mode='offline' needs rows with {list(FEATURE_KEYS)}; {name} rows lack {missing} "
+                    "(use OfflineFeatureDataset, or feature_mode='online' with the target)."
+                )
+        if isinstance(dataset, OfflineFeatureDataset):
+            num_layers = draft.config.target_num_hidden_layers
+            if num_layers is not None and dataset.layer_ids != draft.config.resolved_target_layer_ids(num_layers):
+                raise ValueError(
+                    f"The features in {dataset.folder!r} tap layers {dataset.layer_ids}, the draft reads "
+                    f"{draft.config.resolved_target_layer_ids(num_layers)}."
+                )
+            if draft.config.uses_draft_vocab and not draft.d2t.any() and args.build_draft_vocab:
+                draft.set_draft_vocab(dataset.d2t, dataset.t2d)  # placeholder vocabulary: take the features'
+            if not torch.equal(draft.t2d.cpu(), dataset.t2d):
+                raise ValueError(
+                    f"The features in {dataset.folder!r} were restricted to another draft vocabulary than the "
+                    "draft's t2d; precompute them with this draft's vocabulary (or install theirs)."
+                )
+        elif (
+            name == "train_dataset"
+            and args.build_draft_vocab
+            and draft.config.uses_draft_vocab
+            and not draft.d2t.any()
+            and isinstance(dataset, Dataset)
+            and {"input_ids", "loss_mask"} <= set(dataset.column_names)
+        ):
+            install_draft_vocab(draft, dataset)
+
+    # --------------------------------------------------------------------------------------------------------------
+    # loss
+    def _ttt(self, draft: Eagle3DraftModel, **batch: torch.Tensor) -> TTTOutput:
+        with self.accelerator.autocast():  # accelerate's own autocast wrapper sits on the forward we bypass
+            logits = ttt_forward(
+                draft, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length
+            )
+        return ttt_loss(logits, batch["target_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, TTTOutput]:
+        draft = _base_draft(self.accelerator.unwrap_model(model))
+        batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+        if self.args.feature_mode == "online":
+            batch["target_hidden_states"], batch["target_logits"] = online_features(
+                self.target, draft, batch["input_ids"], batch["attention_mask"]
+            )
+        else:
+            missing = [k for k in FEATURE_KEYS if k not in inputs]
+            if missing:
+                raise ValueError(f"feature_mode='offline' but the batch lacks {missing}; it has {sorted(inputs)}.")
+            batch.update({k: inputs[k] for k in FEATURE_KEYS})
+        run = functools.partial(self._ttt, draft)
+        wrapped = getattr(model, "module", None)
+        if isinstance(model, nn.parallel.DistributedDataParallel) and wrapped is not None:
+            with _routed_forward(wrapped, run):
+                out = model(**batch)
+        else:
+            out = run(**batch)
+        self._accumulate(out, "train" if model.training else "eval")
+        return (out.loss, out) if return_outputs else out.loss
+
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[torch.Tensor, None, None]:
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # --------------------------------------------------------------------------------------------------------------
+    # metrics
+    def _accumulate(self, out: TTTOutput, mode: str) -> None:
+        k = out.step_losses.numel()
+        row = torch.cat([out.step_losses.float(), out.step_correct.float(), out.step_supervised.float(),
+                         out.step_losses.new_ones(1, dtype=torch.float32)])  # fmt: skip
+        if mode not in self._metric_sums or self._metric_sums[mode].numel() != 3 * k + 1:
+            self._metric_sums[mode] = torch.zeros_like(row)
+        self._metric_sums[mode] += row.detach()
+
+    def _pop_metrics(self, mode: str, prefix: str) -> dict[str, float]:
+        sums = self.accelerator.reduce(self._metric_sums.pop(mode), reduction="sum").cpu()
+        k = (sums.numel() - 1) // 3
+        losses, correct, supervised, batches = sums[:k], sums[k : 2 * k], sums[2 * k : 3 * k], sums[-1]
+        acc = correct / supervised.clamp(min=1)
+        metrics = {f"{prefix}acc_{j}": round(float(acc[j]), 4) for j in range(k)}
+        metrics.update({f"{prefix}loss_{j}": round(float(losses[j] / batches.clamp(min=1)), 4) for j in range(k)})
+        metrics[f"{prefix}sim_accept_len"] = round(simulated_acceptance_length(acc), 4)
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the TTT metrics accumulated since the last log (gathered across processes) and log."""
+        if "loss" in logs and "train" in self._metric_sums:
+            logs.update(self._pop_metrics("train", ""))
+        if "eval_loss" in logs and "eval" in self._metric_sums:
+            logs.update(self._pop_metrics("eval", "eval_"))
+        super().log(logs, start_time)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# command line: eagle3-hf train
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def load_tokenised_data(
+    target_name: str, data: str, max_length: int, max_conversations: int | None = None
+) -> tuple[Any, Dataset, Any]:
+    """Read conversations, render them with the target's chat template; return (tokenizer, dataset, DataStats)."""
+    from eagle3_hf.data import build_dataset, read_conversations
+    from eagle3_hf.targets import load_tokenizer
+
+    tokenizer = load_tokenizer(target_name)
+    conversations = read_conversations(data, limit=max_conversations)
+    dataset, stats = build_dataset(conversations, tokenizer, max_length)
+    print(
+        f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} tokens, "
+        f"{stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
+        f"{stats.truncated} truncated to {max_length})."
+    )
+    return tokenizer, dataset, stats
+
+
+def add_cli_arguments(parser: Any) -> None:
+    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
+    parser.add_argument("--data", default=None, help="conversations: ShareGPT/messages JSON or JSONL, or a folder of "
+                        "regenerated shard_*.jsonl (online features)")  # fmt: skip
+    parser.add_argument("--features", default=None, help="folder written by `eagle3-hf features` (offline features)")
+    parser.add_argument("--output", required=True, help="folder for checkpoints, the final draft, trainer_state.json")
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--ttt-length", type=int, default=7)
+    parser.add_argument("--ttt-decay", type=float, default=0.8)
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="draft head size (default: target vocab)")
+    parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer ones are cut)")
+    parser.add_argument("--max-conversations", type=int, default=None)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--warmup-ratio", type=float, default=0.015, help="share of steps of linear warmup")
+    parser.add_argument("--batch-size", type=int, default=1, help="per-device batch size")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--save-steps", type=int, default=500)
+    parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--init-draft", default=None, help="continue training this saved draft (keeps its vocabulary)")
+    parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output, if any")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="target dtype and mixed precision of the draft (its master weights stay float32)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _run_train(args: Any) -> int:
+    from transformers.trainer_utils import get_last_checkpoint, set_seed
+
+    from eagle3_hf.targets import load_target
+
+    if (args.data is None) == (args.features is None):
+        raise ValueError("Give exactly one of --data (conversations, online features) or --features (offline).")
+    set_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
+    offline = args.features is not None
+    if offline:
+        dataset = OfflineFeatureDataset(args.features)
+        print(f"Offline features: {len(dataset)} samples from {args.features}.")
+    else:
+        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+    target = load_target(args.target, dtype=dtype)
+    if args.init_draft:
+        draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
+    else:
+        size = args.draft_vocab_size
+        if offline and size is None:
+            size = int(dataset.t2d.sum())
+        draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size).float()
+        if offline:
+            draft.set_draft_vocab(dataset.d2t, dataset.t2d)
+        elif draft.config.uses_draft_vocab:
+            vocab = install_draft_vocab(draft, dataset)
+            print(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
+                  f"{100 * vocab.coverage:.2f}% of supervised tokens.")  # fmt: skip
+    training_args = Eagle3TrainingArguments(
+        output_dir=args.output, max_steps=args.max_steps, ttt_length=args.ttt_length, ttt_decay=args.ttt_decay,
+        feature_mode="offline" if offline else "online", max_length=args.max_length,
+        learning_rate=args.learning_rate, warmup_steps=args.warmup_ratio, lr_scheduler_type="cosine",
+        adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0,
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed, report_to="none",
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, gradient_checkpointing=args.gradient_checkpointing,
+        draft_vocab_size=args.draft_vocab_size, build_draft_vocab=False,
+    )  # fmt: skip
+    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
+    checkpoint = get_last_checkpoint(args.output) if args.resume and os.path.isdir(args.output) else None
+    if args.resume:
+        print(f"Resuming from {checkpoint}." if checkpoint else f"No checkpoint in {args.output}: starting afresh.")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model(args.output)
+    trainer.save_state()
+    last = next((log for log in reversed(trainer.state.log_history) if "acc_0" in log), None)
+    if last is not None:
+        accs = " ".join(f"{last[f'acc_{j}']:.3f}" for j in range(args.ttt_length))
+        print(f"Last logged accuracy per TTT step: {accs}; simulated acceptance length {last['sim_accept_len']:.2f}.")
+    print(f"Saved the draft to {args.output} ({trainer.state.global_step} steps).")
+    return 0
+
+
+def run_cli(args: Any) -> int:
+    try:
+        return _run_train(args)
+    except ValueError as err:
+        print(f"eagle3-hf train: error: {err}", file=sys.stderr)
+        return 2

