@@ -19,6 +19,7 @@ entries, and feed the accepted tokens' tapped features -- taken from that same f
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf._compat import cache_kwargs, generate_output_cache_field
@@ -43,7 +44,9 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus EAGLE-3 statistics.
 
     Args:
-        accept_lengths: tokens gained per target forward (accepted drafts + the bonus token); plain steps count 1.
+        accept_lengths: tokens each verification cycle added to the output (accepted drafts + the bonus token; a plain
+            step counts 1; the last cycle counts only what the stopping criteria let through). The prefill's token is
+            not a cycle, so `sum(accept_lengths) == generated tokens - 1`.
         draft_time: seconds spent in the draft (tree building and cache updates).
         verify_time: seconds spent in target forwards (prefill excluded) and acceptance.
         prefill_time: seconds of the target's prompt forward.
@@ -82,14 +85,32 @@ def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
 
 
 def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
-    if isinstance(assistant_model, Eagle3DraftModel):
-        assistant_model.config.check_target_config(target.config)
-        streamer = kwargs.get("streamer")
-        return type(target).generate(
-            target, *args, custom_generate=eagle3_decoding, eagle3_draft=assistant_model, eagle3_streamer=streamer,
-            **kwargs,
-        )
-    return type(target).generate(target, *args, assistant_model=assistant_model, **kwargs)
+    if not isinstance(assistant_model, Eagle3DraftModel):
+        return type(target).generate(target, *args, assistant_model=assistant_model, **kwargs)
+    assistant_model.config.check_target_config(target.config)
+    # generate() hands a custom_generate callable neither the streamer nor the tokenizer (it rebuilds those
+    # kwargs from the callable's signature): pass the streamer under our own name, and build the stop-string
+    # criterion here, since generate() would otherwise fail to find a tokenizer for it.
+    tokenizer = kwargs.pop("tokenizer", None)
+    stop_strings = kwargs.pop("stop_strings", None)
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
+    if stop_strings is None and config is not None and getattr(config, "stop_strings", None):
+        config = copy.deepcopy(config)
+        stop_strings, config.stop_strings = config.stop_strings, None
+        if "generation_config" in kwargs:
+            kwargs["generation_config"] = config
+        else:
+            args = (args[0], config, *args[2:])
+    if stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass `tokenizer=` to generate().")
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        kwargs["stopping_criteria"] = criteria
+    return type(target).generate(
+        target, *args, custom_generate=eagle3_decoding, eagle3_draft=assistant_model,
+        eagle3_streamer=kwargs.get("streamer"), **kwargs,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -265,9 +286,12 @@ def eagle3_decoding(
     tree_sizes: list[int] = []
     draft_time = verify_time = 0.0
 
-    def emit(tokens: list[int], rows: torch.Tensor, raw: torch.Tensor) -> bool:
-        """Append tokens one by one, checking the stopping criteria after each; True when finished."""
-        nonlocal input_ids, scores, raw_logits
+    def emit(tokens: list[int], rows: torch.Tensor, raw: torch.Tensor) -> int:
+        """Append tokens one by one, checking the stopping criteria after each.
+
+        Returns how many were appended: all of them, or fewer when a criterion stopped generation (0 = not finished).
+        """
+        nonlocal input_ids, scores, raw_logits, finished
         for i, tok in enumerate(tokens):
             new = torch.tensor([[tok]], device=device, dtype=input_ids.dtype)
             input_ids = torch.cat([input_ids, new], dim=1)
@@ -278,8 +302,9 @@ def eagle3_decoding(
             if streamer is not None:
                 streamer.put(new[0].cpu())
             if bool(stopping_criteria(input_ids, scores if output_scores else None).any()):
-                return True
-        return False
+                finished = True
+                return i + 1
+        return len(tokens)
 
     def select(processed: torch.Tensor) -> int:
         if do_sample:
@@ -301,7 +326,8 @@ def eagle3_decoding(
     state.add_verified(features, next_pairs)
     _sync(device)
     prefill_time = time.perf_counter() - t0
-    finished = emit([first_token], processed, raw)
+    finished = False
+    emit([first_token], processed, raw)
 
     # -- cycles ----------------------------------------------------------------------------------
     while not finished:
@@ -369,7 +395,6 @@ def eagle3_decoding(
         verify_time += spent
         cost.verify.observe(n_nodes, spent)
         accepted = len(result.path) - 1
-        accept_lengths.append(accepted + 1)
         tree_sizes.append(n_nodes)
         if n_nodes > 1:
             cost.record_cycle(predicted, accepted)
@@ -377,7 +402,8 @@ def eagle3_decoding(
             cost.after_cycle(True, rate > cost.plain_rate())
         elif adaptive_tree and state.has_pending and cost.backoff == 0:
             cost.after_cycle(False, False)
-        finished = emit(new_tokens, processed[path], raw[path])
+        # A stopping criterion may cut the cycle short: count only the tokens that reached the output.
+        accept_lengths.append(emit(new_tokens, processed[path], raw[path]))
 
     if streamer is not None:
         streamer.end()

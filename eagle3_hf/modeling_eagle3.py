@@ -386,6 +386,17 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             state_dict = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
         return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "generation_config":
+            # Read by stock assisted generation, which is what runs when a target was never bound to this draft.
+            raise AttributeError(
+                "Eagle3DraftModel has no generation_config: it is not a standalone generator and cannot serve stock "
+                "assisted generation (chains without target hidden states). Bind it to its target first -- "
+                "`draft.bind(target)`, or load it with `Eagle3DraftModel.from_pretrained(path, target=target)` -- "
+                "then call `target.generate(..., assistant_model=draft)`."
+            )
+        return super().__getattr__(name)
+
     def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
         """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""
         from eagle3_hf.generation import bind_target
