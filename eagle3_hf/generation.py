@@ -232,16 +232,16 @@ def eagle3_decoding(
     if not isinstance(draft, Eagle3DraftModel):
         raise ValueError("eagle3_decoding needs `eagle3_draft`, an Eagle3DraftModel.")
     draft.config.check_target_config(model.config)
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"EAGLE-3 tree decoding supports batch size 1; got a batch of {input_ids.shape[0]}. "
-            "Generate the prompts one at a time."
-        )
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"EAGLE-3 decoding does not combine with beam search; got num_beams={generation_config.num_beams}.")
     if (generation_config.num_return_sequences or 1) != 1:
         raise ValueError(
             f"EAGLE-3 decoding returns one sequence; got num_return_sequences={generation_config.num_return_sequences}."
+        )
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"EAGLE-3 tree decoding supports batch size 1; got a batch of {input_ids.shape[0]}. "
+            "Generate the prompts one at a time."
         )
     budget = TreeBudget(
         depth=tree_depth or draft.config.tree_depth,
@@ -260,9 +260,10 @@ def eagle3_decoding(
     output_scores = return_dict and bool(generation_config.output_scores)
     output_logits = return_dict and bool(generation_config.output_logits)
 
-    # Batch-1 left padding carries no information: decode the unpadded prompt, put the padding back at the end.
+    # Batch-1 left padding carries no information: the target and draft never see it (`start` skips it), while
+    # logits processors and stopping criteria see the whole sequence, as in plain generate().
     attention_mask = model_kwargs.get("attention_mask")
-    padding = input_ids[:, :0]
+    start = 0
     if attention_mask is not None and not bool(attention_mask.all()):
         valid = attention_mask[0].bool()
         first = int(valid.nonzero()[0]) if valid.any() else input_ids.shape[1]
@@ -272,7 +273,7 @@ def eagle3_decoding(
                 f"(mask {attention_mask[0].tolist()}). Without an explicit attention_mask, generate() masks every "
                 "prompt token equal to pad_token_id: pass attention_mask=torch.ones_like(input_ids)."
             )
-        padding, input_ids = input_ids[:, :first], input_ids[:, first:]
+        start = first
 
     cache = _editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     layer_ids = draft.config.resolved_target_layer_ids(model.config.get_text_config().num_hidden_layers)
@@ -315,14 +316,15 @@ def eagle3_decoding(
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model(
-            input_ids=input_ids, use_cache=True, output_hidden_states=True, logits_to_keep=1, **cache_kwargs(cache)
+            input_ids=input_ids[:, start:], use_cache=True, output_hidden_states=True, logits_to_keep=1,
+            **cache_kwargs(cache),
         )
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
     first_token = select(processed[0])
     features = select_target_features(out.hidden_states, layer_ids)  # [1, N, 3Ht]
     del out
-    next_pairs = torch.cat([input_ids[:, 1:], torch.tensor([[first_token]], device=device)], dim=1)
+    next_pairs = torch.cat([input_ids[:, start + 1 :], torch.tensor([[first_token]], device=device)], dim=1)
     state.add_verified(features, next_pairs)
     _sync(device)
     prefill_time = time.perf_counter() - t0
@@ -407,7 +409,7 @@ def eagle3_decoding(
 
     if streamer is not None:
         streamer.end()
-    sequences = torch.cat([padding, input_ids], dim=1)
+    sequences = input_ids
     if not return_dict:
         return sequences
     return Eagle3GenerateOutput(
