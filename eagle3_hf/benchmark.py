@@ -212,6 +212,9 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--tree-total-tokens", type=int, default=None)
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here")
+    parser.add_argument(
+        "--model-card", action="store_true", help="write README.md (from model_cards/TEMPLATE.md) into the --draft folder"
+    )
 
 
 def run_cli(args: Any) -> int:
@@ -248,4 +251,15 @@ def run_cli(args: Any) -> int:
             json.dump(report, f, indent=2)
     if args.plot and "acceptance_by_depth" in report:
         plot_acceptance(report, args.plot)
+    if args.model_card:
+        if not args.draft or args.draft == "random":
+            raise SystemExit("eagle3-hf bench: --model-card needs --draft FOLDER (the draft to describe).")
+        from eagle3_hf.model_card import card_fields, render_model_card
+
+        command = "eagle3-hf bench " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in ("target", "num_prompts")
+        )
+        card = render_model_card(card_fields(args.draft, report, bench_command=command))
+        with open(os.path.join(args.draft, "README.md"), "w") as f:
+            f.write(card)
     return 0

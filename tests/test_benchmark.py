@@ -1,0 +1,69 @@
+"""The benchmark's pure pieces, a tiny end-to-end benchmark run, and model-card rendering."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.benchmark import acceptance_by_depth, format_table, read_prompts, run_benchmark
+from eagle3_hf.model_card import card_fields, render_model_card
+
+
+def test_acceptance_by_depth_hand_computed():
+    # cycles accepting 0, 1, 2 and 2 draft tokens (accept lengths count the bonus token)
+    rates = acceptance_by_depth([1, 2, 3, 3], max_depth=3)
+    # depth 1: 3 of 4 cycles got past depth 0; depth 2: 2 of those 3; depth 3: none of those 2
+    assert rates == pytest.approx([3 / 4, 2 / 3, 0.0])
+
+
+class _Template:
+    def apply_chat_template(self, messages, add_generation_prompt, return_tensors, return_dict):
+        text = " ".join(m["content"] for m in messages)
+        return {"input_ids": torch.tensor([[len(w) % 7 + 3 for w in text.split()]])}
+
+
+def test_read_prompts_formats_and_errors(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(
+        json.dumps({"turns": ["one two", "later"]}) + "\n" + json.dumps({"prompt": "three four five"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "six"}]}) + "\n"
+    )
+    prompts = read_prompts(str(path), _Template(), None)
+    assert [p.shape[1] for p in prompts] == [2, 3, 1]
+    assert len(read_prompts(str(path), _Template(), 2)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a record with 'turns'"):
+        read_prompts(str(bad), _Template(), None)
+
+
+def test_tiny_benchmark_reports_every_method():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                    num_key_value_heads=1, vocab_size=24, eos_token_id=None, bos_token_id=None)
+    ).eval()
+    draft = Eagle3DraftModel.from_target(target).eval()
+    prompts = [torch.randint(3, 24, (1, 6)) for _ in range(2)]
+    report = run_benchmark(target, draft, prompts, max_new_tokens=12, tree_kwargs={"adaptive_tree": False})
+    assert set(report["tokens_per_s"]) == {"plain", "prompt_lookup", "eagle3_chain", "eagle3_tree"}
+    assert report["identical"] == 1.0  # greedy EAGLE-3 reproduces plain generate
+    assert report["tokens"]["eagle3_tree"] == report["tokens"]["plain"] == 24
+    assert report["tau"] >= 1.0 and len(report["acceptance_by_depth"]) == draft.config.tree_depth
+    assert "tau (tree, incl. bonus)" in format_table(report)
+
+
+def test_model_card_fills_fields_and_marks_missing(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"target_name_or_path": "smollm2", "target_layer_ids": [2, 15, 27], "draft_vocab_size": 8192,
+                    "vocab_size": 49152})
+    )
+    report = {"tau": 3.456, "speedup": 2.01, "identical": 1.0, "environment": {"cpu": "x86_64", "threads": 1},
+              "config": {"dtype": "float32", "num_prompts": 10, "max_new_tokens": 128}}
+    card = render_model_card(card_fields(str(tmp_path), report, bench_command="eagle3-hf bench"))
+    assert "# EAGLE-3 draft for smollm2" in card
+    assert "| 3.46 | 2.01x | 100% |" in card
+    assert "8192 of 49152 tokens" in card
+    assert "revision `n/a`" in card  # nothing known about it: said so, not invented
