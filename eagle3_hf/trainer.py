@@ -438,6 +438,7 @@ def _run_train(args: Any) -> int:
         save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed, report_to="none",
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, gradient_checkpointing=args.gradient_checkpointing,
         draft_vocab_size=args.draft_vocab_size, build_draft_vocab=False,
+        use_cpu=not torch.cuda.is_available(),  # bf16 autocast on a CPU-only machine needs it said explicitly
     )  # fmt: skip
     trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
     checkpoint = get_last_checkpoint(args.output) if args.resume and os.path.isdir(args.output) else None

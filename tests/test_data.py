@@ -15,7 +15,6 @@ from eagle3_hf.data import (
     read_conversations,
     tokenize_conversation,
 )
-from eagle3_hf.targets import SMOLLM2, cached_plain_copy
 
 # Renders exactly what SmolLM2's ChatML template renders when the conversation has a system message, but wraps each
 # assistant answer and its end-of-turn token in generation markers.
@@ -35,17 +34,8 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(request, tmp_path_factory):
-    # The pytest cache keeps the plain copy between sessions: parsing the GGUF tokenizer takes several seconds.
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    return cached_plain_copy(SMOLLM2, folder, include_model=False)
 
 
-@pytest.fixture
-def tokenizer(tokenizer_dir):
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 @pytest.fixture

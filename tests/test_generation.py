@@ -65,13 +65,6 @@ TREES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a busy 2-core machine: a second thread spends its time waiting.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_target(family, **overrides):

@@ -7,31 +7,14 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.data import read_conversations
 from eagle3_hf.regenerate import list_shards, prompt_rounds, regenerate_responses
-from eagle3_hf.targets import SMOLLM2, cached_plain_copy
 
 MAX_NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a busy 2-core machine: a second thread spends its time waiting, one thread is ~100x faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(request, tmp_path_factory):
-    # The pytest cache keeps the plain copy between sessions: parsing the GGUF tokenizer takes several seconds.
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    return cached_plain_copy(SMOLLM2, folder, include_model=False)
 
 
-@pytest.fixture
-def tokenizer(tokenizer_dir):
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -30,12 +30,6 @@ SETTINGS = {
 CHI2_CRITICAL_0001 = {54: 91.872, 63: 103.442}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

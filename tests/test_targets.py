@@ -12,18 +12,12 @@ from eagle3_hf.targets import SMOLLM2, cached_plain_copy, load_target, load_toke
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(scope="session")
-def smollm2_tokenizer_dir(request, tmp_path_factory):
-    # The pytest cache keeps the plain copy between sessions: parsing the GGUF tokenizer takes several seconds.
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    return cached_plain_copy(SMOLLM2, folder, include_model=False)
 
 
 @pytest.fixture
-def tiny_target_dir(tmp_path, smollm2_tokenizer_dir):
+def tiny_target_dir(tmp_path, tokenizer_dir):
     """A tiny random Llama with SmolLM2's tokenizer, saved as a plain Hugging Face folder."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -81,11 +75,11 @@ def test_resolve_rejects_ambiguous_or_empty_input(tmp_path):
         resolve_target("")
 
 
-def test_tokenizer_copy_from_gguf(smollm2_tokenizer_dir):
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+def test_tokenizer_copy_from_gguf(tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert len(tokenizer) == 49152
     assert tokenizer.chat_template and tokenizer.eos_token
-    with open(os.path.join(smollm2_tokenizer_dir, "eagle3_hf_cache.json")) as f:
+    with open(os.path.join(tokenizer_dir, "eagle3_hf_cache.json")) as f:
         assert json.load(f) == {"source": SMOLLM2, "include_model": False}
 
 

@@ -8,7 +8,6 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from eagle3_hf.data import build_dataset, read_conversations
-from eagle3_hf.targets import SMOLLM2, cached_plain_copy
 from eagle3_hf.vocab import (
     build_draft_vocab,
     count_supervised_tokens,
@@ -166,12 +165,6 @@ def test_load_rejects_foreign_or_inconsistent_files(tmp_path):
         load_draft_vocab(tmp_path / "bad.safetensors")
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(request, tmp_path_factory):
-    # The pytest cache keeps the plain copy between sessions: parsing the GGUF tokenizer takes several seconds.
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    return cached_plain_copy(SMOLLM2, folder, include_model=False)
 
 
 def test_vocab_from_real_sharegpt_conversations(tokenizer_dir):
