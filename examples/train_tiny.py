@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         summary.update(coverage=round(vocab.coverage, 4), in_sync=in_sync,
                        world_size=training_args.world_size, steps=trainer.state.global_step)  # fmt: skip
         print(json.dumps(summary))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Tear the process group down before the interpreter exits: gloo's threads aborting at exit
+        # ("terminate called without an active exception") would turn a finished run into a failure.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0 if in_sync else 1
 
 
