@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -126,16 +126,14 @@ def _editable_cache(cache: Any) -> DynamicCache:
             f"EAGLE-3 tree decoding edits the target KV cache (keeps only accepted tree nodes); a "
             f"{type(cache).__name__} cannot be edited that way. Use the default DynamicCache (no cache_implementation)."
         )
-    if cache.get_seq_length() == 0:
-        # A fresh cache: use plain full-attention layers, which can drop rejected nodes; sliding-window
-        # layers are instead masked by the tree mask.
-        return DynamicCache()
-    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+    if cache.get_seq_length() > 0:
         raise ValueError(
-            "EAGLE-3 tree decoding can only continue from a DynamicCache of full-attention layers; this cache holds "
-            f"{sorted({type(layer).__name__ for layer in cache.layers})}."
+            f"EAGLE-3 decoding needs the target's hidden states for the whole prompt, so it prefills it itself; got a "
+            f"cache already holding {cache.get_seq_length()} tokens. Pass no cache (or an empty DynamicCache)."
         )
-    return cache
+    # A fresh cache: use plain full-attention layers, which can drop rejected nodes; sliding-window layers are
+    # instead masked by the tree mask.
+    return DynamicCache()
 
 
 def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
@@ -290,7 +288,7 @@ def eagle3_decoding(
     def emit(tokens: list[int], rows: torch.Tensor, raw: torch.Tensor) -> int:
         """Append tokens one by one, checking the stopping criteria after each.
 
-        Returns how many were appended: all of them, or fewer when a criterion stopped generation (0 = not finished).
+        Returns how many were appended: all of them, unless a criterion fired first (which also sets `finished`).
         """
         nonlocal input_ids, scores, raw_logits, finished
         for i, tok in enumerate(tokens):

@@ -36,9 +36,11 @@ from transformers.generation import (
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
+from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
+from eagle3_hf._compat import CACHE_KWARG
 from eagle3_hf.generation import Eagle3GenerateOutput, _process_tree_scores
 from eagle3_hf.targets import SMOLLM2, cached_plain_copy, load_target
 from eagle3_hf.tree import DraftTree
@@ -357,6 +359,17 @@ def test_refuses_a_static_cache(pair):
     with pytest.raises(ValueError, match="StaticCache"):
         target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4,
                         cache_implementation="static")  # fmt: skip
+
+
+def test_refuses_a_prefilled_cache(pair):
+    target, draft = pair
+    ids = torch.randint(3, V, (1, 5))
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(ids[:, :3], **{CACHE_KWARG: cache}, use_cache=True)
+    with pytest.raises(ValueError, match="already holding 3 tokens"):
+        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4,
+                        **{CACHE_KWARG: cache})  # fmt: skip
 
 
 def test_unbound_draft_gives_a_clear_error():
