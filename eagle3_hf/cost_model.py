@@ -6,7 +6,8 @@ optimisation: verify the n best nodes maximising
 
     (1 + calibration * sum_{i<n} p_i) / (draft_cost + verify_cost(n + 1))
 
-against plain decoding's 1 / verify_cost(1); draft nothing when even the best tree loses. The
+where draft_cost is what the cycle's drafting actually took; before drafting, the draft is consulted only when
+its most likely token could pay for a draft step (`worth_drafting`). The
 calibration factor (measured accepted / predicted accepted) corrects drafts that are over- or
 under-confident, so a poor draft quickly costs next to nothing: after each cycle where drafting
 did not pay, the draft is not even consulted for a growing number of tokens (exponential backoff).
@@ -97,19 +98,17 @@ class CycleCostModel:
         gain = self.calibration * best_path_probability * self.verify(1)
         return gain > self.draft_step(1) + (self.verify(nodes_so_far + 2) - self.verify(nodes_so_far + 1))
 
-    def choose_size(self, path_probabilities: torch.Tensor, draft_levels: int) -> tuple[int, float]:
-        """Best number of non-root nodes to verify (0 = plain step), given node path probabilities sorted
-        in keep order (a prefix is always a valid tree). Returns (n, predicted accepted tokens)."""
+    def choose_size(self, path_probabilities: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
+        """Best number of non-root nodes to verify, given node path probabilities sorted in keep order (a prefix is
+        always a valid tree) and the draft time this cycle already spent. Returns (n, predicted accepted tokens);
+        n = 0 verifies the root alone (the draft's work is then wasted, but a wider verify would lose more)."""
         probs = path_probabilities.double().cpu()
-        gains = self.calibration * torch.cumsum(probs, 0)
-        n = torch.arange(1, probs.numel() + 1, dtype=torch.float64)
+        gains = torch.cat([torch.zeros(1, dtype=torch.float64), self.calibration * torch.cumsum(probs, 0)])
+        n = torch.arange(0, probs.numel() + 1, dtype=torch.float64)
         a, b = self.verify.coefficients()
-        cost = self.draft_step(1) * draft_levels + a + b * (n + 1)
-        rates = (1.0 + gains) / cost
+        rates = (1.0 + gains) / (draft_seconds + a + b * (n + 1))
         best = int(torch.argmax(rates))
-        if float(rates[best]) <= self.plain_rate():
-            return 0, 0.0
-        return best + 1, float(probs[: best + 1].sum())
+        return best, float(probs[:best].sum())
 
     def after_cycle(self, drafted: bool, paid_off: bool) -> None:
         """Exponential backoff of draft consultations while drafting does not pay."""

@@ -36,6 +36,7 @@ class DraftState:
 
     cache: DynamicCache
     length: int = 0  # positions held by the draft cache
+    forward_calls: int = 0  # draft forwards run so far (the cost model times them)
     last_hidden: torch.Tensor | None = None  # [1, 1, H] draft state at position length-1
     last_logits: torch.Tensor | None = None  # [Vd] draft logits at position length-1
     # Verified (feature, next token) pairs not yet run through the draft (drafting was skipped).
@@ -45,10 +46,6 @@ class DraftState:
     def add_verified(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.pending_features.append(features)
         self.pending_tokens.append(next_tokens)
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self.pending_tokens)
 
 
 @torch.no_grad()
@@ -62,6 +59,7 @@ def flush_pending(draft: Eagle3DraftModel, state: DraftState) -> None:
     state.pending_tokens.clear()
     n = tokens.shape[1]
     positions = torch.arange(state.length, state.length + n, device=tokens.device)[None]
+    state.forward_calls += 1
     out = draft(
         input_ids=tokens,
         target_hidden_states=features.to(draft.fc.weight.dtype),
@@ -121,6 +119,7 @@ def build_greedy_tree(
         ancestors = torch.cat([ancestors, torch.eye(kf, dtype=torch.bool, device=device)], dim=1)
         tokens = draft.draft_to_target_ids(flat_ids[frontier])[None]
         positions = torch.full((1, kf), state.length + level - 1, device=device)
+        state.forward_calls += 1
         out = draft(
             input_ids=tokens,
             hidden_states=frontier_hidden,
@@ -219,6 +218,7 @@ def build_sampled_tree(
             anc[row, fed_before + row] = True
         for row, node in enumerate(frontier):
             fed_index[node] = fed_before + row
+        state.forward_calls += 1
         out = draft(
             input_ids=torch.cat([tokens[n] for n in frontier])[None],
             hidden_states=torch.stack([hidden_of[n] for n in frontier])[None],

@@ -336,8 +336,9 @@ def eagle3_decoding(
         t0 = time.perf_counter()
         tree: DraftTree | None = None
         predicted = 0.0
-        if not adaptive_tree or cost.consult_draft():
-            steps_before = state.length
+        consulted = not adaptive_tree or cost.consult_draft()
+        if consulted:
+            calls_before = state.forward_calls
             flush_pending(draft, state)
             top_p = float(torch.softmax(state.last_logits.float() / temperature, dim=-1).max())
             if not adaptive_tree or cost.worth_drafting(top_p):
@@ -348,14 +349,14 @@ def eagle3_decoding(
                     tree = build_greedy_tree(draft, state, root, budget)
                     if adaptive_tree:
                         order = torch.argsort(-tree.scores[1:], stable=True)
-                        levels = int(tree.depths.max())
-                        n, predicted = cost.choose_size(tree.scores[1:][order].exp(), levels)
+                        n, predicted = cost.choose_size(tree.scores[1:][order].exp(), time.perf_counter() - t0)
                         tree = _prune(tree, n) if n > 0 else None
                 if tree is not None and predicted == 0.0:
                     predicted = float(tree.scores[1:].exp().sum())
             _sync(device)
             spent = time.perf_counter() - t0
-            cost.draft_step.observe(1, spent / max(1 + budget.depth, 1) if state.length > steps_before else spent)
+            if state.forward_calls > calls_before:
+                cost.draft_step.observe(1, spent / (state.forward_calls - calls_before))
             draft_time += spent
         if tree is None:
             tree = DraftTree.from_parents(
@@ -400,7 +401,7 @@ def eagle3_decoding(
             cost.record_cycle(predicted, accepted)
             rate = (accepted + 1) / max(spent + draft_time / max(len(accept_lengths), 1), 1e-9)
             cost.after_cycle(True, rate > cost.plain_rate())
-        elif adaptive_tree and state.has_pending and cost.backoff == 0:
+        elif consulted and adaptive_tree:  # the draft was asked and drafting did not pay: back off
             cost.after_cycle(False, False)
         # A stopping criterion may cut the cycle short: count only the tokens that reached the output.
         accept_lengths.append(emit(new_tokens, processed[path], raw[path]))

@@ -1,0 +1,56 @@
+"""The per-call scheduler: cost fits, tree sizing and backoff."""
+
+import pytest
+import torch
+
+from eagle3_hf.cost_model import CycleCostModel, LinearCost
+
+
+def test_linear_cost_recovers_an_exact_line():
+    cost = LinearCost(prior_a=1.0, prior_b=0.0)
+    for n in (1, 4, 16, 32):
+        cost.observe(n, 0.05 + 0.002 * n)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.05) and b == pytest.approx(0.002)
+    assert cost(64) == pytest.approx(0.05 + 0.128)
+
+
+def test_linear_cost_one_size_keeps_the_prior_ratio():
+    cost = LinearCost(prior_a=1.0, prior_b=0.1)
+    cost.observe(1, 0.22)
+    cost.observe(1, 0.22)
+    # level measured at n=1 (0.22), shape from the prior line 1 + 0.1 n: cost(11) / cost(1) = 2.1 / 1.1
+    assert cost(1) == pytest.approx(0.22)
+    assert cost(11) == pytest.approx(0.22 * 2.1 / 1.1)
+
+
+def test_choose_size_skips_hopeless_and_takes_confident_nodes():
+    cost = CycleCostModel()
+    for n in (1, 16, 32):
+        cost.verify.observe(n, 0.05 * (1 + (n - 1) / 30))
+    assert cost.choose_size(torch.full((31,), 1e-4), draft_seconds=0.01)[0] == 0
+    probs = torch.tensor([0.9, 0.8, 0.7, 0.6] + [1e-3] * 27)
+    n, predicted = cost.choose_size(probs, draft_seconds=0.01)
+    assert n == 4 and predicted == pytest.approx(3.0)
+
+
+def test_calibration_discounts_an_overconfident_draft():
+    cost = CycleCostModel()
+    for _ in range(20):
+        cost.record_cycle(predicted=3.0, accepted=0)
+    assert cost.calibration < 0.05
+    assert not cost.worth_drafting(top_probability=0.99)
+
+
+def test_backoff_doubles_while_drafting_does_not_pay_and_resets_when_it_does():
+    cost = CycleCostModel(max_backoff=4)
+    pattern = []
+    for _ in range(14):
+        consulted = cost.consult_draft()
+        pattern.append(int(consulted))
+        if consulted:
+            cost.after_cycle(drafted=False, paid_off=False)
+    # consult, skip 1, consult, skip 2, consult, skip 4, consult, skip 4 (capped), ...
+    assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0]
+    cost.after_cycle(drafted=True, paid_off=True)
+    assert cost.consult_draft()
