@@ -375,14 +375,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         save_directory: str | os.PathLike,
         is_main_process: bool = True,
         state_dict: dict[str, torch.Tensor] | None = None,
+        include_embedding: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """`PreTrainedModel.save_pretrained`, leaving out a token embedding that was never loaded.
+        """`PreTrainedModel.save_pretrained`, optionally without the (target's, frozen) token embedding.
 
-        A draft loaded from a checkpoint without an embedding holds random values there until it gets the target's;
-        saving them would make a later load take them for a real embedding.
+        `include_embedding=False` keeps shipped drafts small; loading one then needs `target=`. An embedding that was
+        never loaded is always left out: it holds random values until the draft gets the target's, and saving them
+        would make a later load take them for a real embedding.
         """
-        if not self.embedding_loaded and state_dict is None:
+        if (not self.embedding_loaded or not include_embedding) and state_dict is None:
             state_dict = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
         return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
 

@@ -142,3 +142,21 @@ def test_smollm2_draft(smollm2, tmp_path):
     assert torch.equal(loaded.embed_tokens.weight, smollm2.get_input_embeddings().weight)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, target_hidden_states=features).logits, logits, rtol=0, atol=0)
+
+
+def test_save_without_embedding_reloads_with_target(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from safetensors.torch import load_file
+
+    target = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                    num_key_value_heads=1, vocab_size=64)
+    )
+    draft = Eagle3DraftModel.from_target(target)
+    draft.save_pretrained(tmp_path, include_embedding=False)
+    assert "embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="no token embedding"):
+        Eagle3DraftModel.from_pretrained(tmp_path)(torch.zeros(1, 2, dtype=torch.long), hidden_states=torch.zeros(1, 2, 32))
+    reloaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    assert torch.equal(reloaded.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(reloaded.lm_head.weight, draft.lm_head.weight)
