@@ -19,11 +19,6 @@ def cache_kwargs(cache: Any) -> dict[str, Any]:
     return {CACHE_KWARG: cache}
 
 
-def output_cache(outputs: Any) -> Any:
-    """The cache returned by a transformers forward, under either name."""
-    cache = getattr(outputs, "cache", None)
-    return cache if cache is not None else getattr(outputs, "past_key_values", None)
-
 
 def generate_output_cache_field() -> str:
     """Name of the cache field of `GenerateDecoderOnlyOutput` in this transformers release."""

@@ -81,7 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.set_defaults(**values)
         args = parser.parse_args(rest)
     module = importlib.import_module(SUBCOMMANDS[command][0])
-    return int(module.run_cli(args) or 0)
+    try:
+        return int(module.run_cli(args) or 0)
+    except (ValueError, ImportError, FileNotFoundError) as err:
+        # Bad input (a wrong path, a missing data package, a mismatched draft): one clear line, no traceback.
+        print(f"eagle3-hf {command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

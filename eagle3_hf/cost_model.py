@@ -27,8 +27,7 @@ class LinearCost:
 
     prior_a: float
     prior_b: float
-    window: int = 64
-    samples: deque = field(default_factory=lambda: deque(maxlen=64))
+    samples: deque = field(default_factory=lambda: deque(maxlen=64))  # recent observations only: load drifts
 
     def observe(self, n: int, seconds: float) -> None:
         self.samples.append((float(n), float(seconds)))

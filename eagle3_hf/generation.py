@@ -1,7 +1,7 @@
 """EAGLE-3 tree decoding inside `target.generate(..., assistant_model=draft)`.
 
-How it plugs in. Stock assisted generation verifies single chains and gives the draft no target
-hidden states, and transformers has no registry for candidate generators. Its public extension
+How it plugs in. Stock assisted generation verifies single chains (even the candidate generators that
+read the target's hidden states), and transformers has no registry for candidate generators. Its public extension
 point for a whole decoding loop is `generate(custom_generate=callable)`: generate() still prepares
 the cache, logits processors and stopping criteria, then hands over. Binding a draft to a target
 (`draft.bind(target)`, done by `Eagle3DraftModel.from_pretrained(..., target=)` and `from_target`)
@@ -33,7 +33,14 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf._compat import cache_kwargs, generate_output_cache_field
 from eagle3_hf.cost_model import CycleCostModel
-from eagle3_hf.drafting import DraftState, TreeBudget, build_greedy_tree, build_sampled_tree, flush_pending
+from eagle3_hf.drafting import (
+    DraftState,
+    TreeBudget,
+    build_greedy_tree,
+    build_sampled_tree,
+    crop_cache,
+    flush_pending,
+)
 from eagle3_hf.modeling_eagle3 import Eagle3DraftModel, select_target_features
 from eagle3_hf.tree import DraftTree, rerank, tree_attention_mask, verification_mask
 from eagle3_hf.verification import greedy_accept, sample_accept
@@ -94,6 +101,8 @@ def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = 
     tokenizer = kwargs.pop("tokenizer", None)
     stop_strings = kwargs.pop("stop_strings", None)
     config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
+    if config is None and getattr(target.generation_config, "stop_strings", None):
+        kwargs["generation_config"] = config = target.generation_config
     if stop_strings is None and config is not None and getattr(config, "stop_strings", None):
         config = copy.deepcopy(config)
         stop_strings, config.stop_strings = config.stop_strings, None
@@ -140,12 +149,10 @@ def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> 
     """Move entries `start + keep` to `start, start+1, ...` and drop the rest (the accepted path of a tree)."""
     n = keep.numel()
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        layer.keys[..., start : start + n, :] = layer.keys[..., start + keep, :]
-        layer.values[..., start : start + n, :] = layer.values[..., start + keep, :]
-        layer.keys = layer.keys[..., : start + n, :]
-        layer.values = layer.values[..., : start + n, :]
+        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+            layer.keys[..., start : start + n, :] = layer.keys[..., start + keep, :]
+            layer.values[..., start : start + n, :] = layer.values[..., start + keep, :]
+    crop_cache(cache, start + n)
 
 
 def _target_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:
@@ -229,6 +236,7 @@ def eagle3_decoding(
     draft = eagle3_draft
     if not isinstance(draft, Eagle3DraftModel):
         raise ValueError("eagle3_decoding needs `eagle3_draft`, an Eagle3DraftModel.")
+    input_ids = input_ids.to(model.device)  # generate() passes CPU ids through for a model on an accelerator
     draft.config.check_target_config(model.config)
     if generation_config.num_beams not in (None, 1):
         raise ValueError(f"EAGLE-3 decoding does not combine with beam search; got num_beams={generation_config.num_beams}.")
@@ -242,9 +250,9 @@ def eagle3_decoding(
             "Generate the prompts one at a time."
         )
     budget = TreeBudget(
-        depth=tree_depth or draft.config.tree_depth,
-        top_k=tree_top_k or draft.config.tree_top_k,
-        total_tokens=tree_total_tokens or draft.config.tree_total_tokens,
+        depth=draft.config.tree_depth if tree_depth is None else tree_depth,
+        top_k=draft.config.tree_top_k if tree_top_k is None else tree_top_k,
+        total_tokens=draft.config.tree_total_tokens if tree_total_tokens is None else tree_total_tokens,
     )
     if budget.depth < 1 or budget.top_k < 1 or budget.total_tokens < 2:
         raise ValueError(
@@ -261,6 +269,7 @@ def eagle3_decoding(
     # Batch-1 left padding carries no information: the target and draft never see it (`start` skips it), while
     # logits processors and stopping criteria see the whole sequence, as in plain generate().
     attention_mask = model_kwargs.get("attention_mask")
+    attention_mask = None if attention_mask is None else attention_mask.to(model.device)
     start = 0
     if attention_mask is not None and not bool(attention_mask.all()):
         valid = attention_mask[0].bool()
@@ -337,9 +346,11 @@ def eagle3_decoding(
         tree: DraftTree | None = None
         predicted = 0.0
         consulted = not adaptive_tree or cost.consult_draft()
+        cycle_draft_s = 0.0
         if consulted:
+            flush_pending(draft, state)  # verified pairs since the last consultation; not a draft step
+            t_tree = time.perf_counter()
             calls_before = state.forward_calls
-            flush_pending(draft, state)
             top_p = float(torch.softmax(state.last_logits.float() / temperature, dim=-1).max())
             if not adaptive_tree or cost.worth_drafting(top_p):
                 budget.grow = cost.worth_deeper if adaptive_tree else None
@@ -356,7 +367,8 @@ def eagle3_decoding(
             _sync(device)
             spent = time.perf_counter() - t0
             if state.forward_calls > calls_before:
-                cost.draft_step.observe(1, spent / (state.forward_calls - calls_before))
+                cost.draft_step.observe(1, (time.perf_counter() - t_tree) / (state.forward_calls - calls_before))
+            cycle_draft_s = spent
             draft_time += spent
         if tree is None:
             tree = DraftTree.from_parents(
@@ -399,12 +411,16 @@ def eagle3_decoding(
         tree_sizes.append(n_nodes)
         if n_nodes > 1:
             cost.record_cycle(predicted, accepted)
-            rate = (accepted + 1) / max(spent + draft_time / max(len(accept_lengths), 1), 1e-9)
+            rate = (accepted + 1) / max(spent + cycle_draft_s, 1e-9)
             cost.after_cycle(True, rate > cost.plain_rate())
         elif consulted and adaptive_tree:  # the draft was asked and drafting did not pay: back off
             cost.after_cycle(False, False)
-        # A stopping criterion may cut the cycle short: count only the tokens that reached the output.
-        accept_lengths.append(emit(new_tokens, processed[path], raw[path]))
+        # A stopping criterion may cut the cycle short: count only the tokens that reached the output, and keep the
+        # cache in step with them (like plain decoding's, it holds every token but the last).
+        emitted = emit(new_tokens, processed[path], raw[path])
+        accept_lengths.append(emitted)
+        if emitted < len(new_tokens):
+            crop_cache(cache, past + emitted)
 
     if streamer is not None:
         streamer.end()

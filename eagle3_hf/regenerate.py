@@ -286,7 +286,8 @@ def run_cli(args) -> int:
     from eagle3_hf.targets import load_target, load_tokenizer
 
     limit = None if args.max_conversations is None else args.skip_conversations + args.max_conversations
-    conversations = read_conversations(args.data, limit=limit)[args.skip_conversations :]
+    # Give repeated ids their `#k` suffixes before slicing, so that runs split by --skip-conversations agree.
+    conversations = _unique_ids(read_conversations(args.data, limit=limit))[args.skip_conversations :]
     if args.max_rounds is not None:
         conversations = [dict(c, messages=_first_rounds(c["messages"], args.max_rounds)) for c in conversations]
     model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)

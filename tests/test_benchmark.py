@@ -52,7 +52,8 @@ def test_tiny_benchmark_reports_every_method():
     assert report["identical"] == 1.0  # greedy EAGLE-3 reproduces plain generate
     assert report["tokens"]["eagle3_tree"] == report["tokens"]["plain"] == 24
     assert report["tau"] >= 1.0 and len(report["acceptance_by_depth"]) == draft.config.tree_depth
-    assert "tau (tree, incl. bonus)" in format_table(report)
+    assert "tau (tree, incl. bonus, over drafted cycles)" in format_table(report)
+    assert report["drafted_cycle_share"] == 1.0  # adaptive_tree=False: every cycle verifies a drafted tree
 
 
 def test_model_card_fills_fields_and_marks_missing(tmp_path):
