@@ -250,7 +250,7 @@ def run_cli(args: Any) -> int:
     }
     report = run_benchmark(target, draft, prompts, args.max_new_tokens, args.temperature, tree_kwargs, methods)
     report["config"] = {
-        "target": args.target, "draft": args.draft or "shipped", "dtype": args.dtype, "device": args.device,
+        "target": args.target, "draft": args.draft or "(shipped)", "dtype": args.dtype, "device": args.device,
         "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
         **tree_kwargs,
     }
@@ -266,8 +266,9 @@ def run_cli(args: Any) -> int:
             raise SystemExit("eagle3-hf bench: --model-card needs --draft FOLDER (the draft to describe).")
         from eagle3_hf.model_card import card_fields, render_model_card
 
+        shown = ("target", "draft", "num_prompts", "max_new_tokens", "dtype")
         command = "eagle3-hf bench " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in ("target", "num_prompts")
+            f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown
         )
         card = render_model_card(card_fields(args.draft, report, bench_command=command))
         with open(os.path.join(args.draft, "README.md"), "w") as f:
