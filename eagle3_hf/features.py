@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -50,7 +51,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 __all__ = ["OfflineFeatureDataset", "estimate_feature_bytes", "online_features", "precompute_features"]
 
 
-def _base_draft(draft: Eagle3DraftModel) -> Eagle3DraftModel:
+def _base_draft(draft: Any) -> Eagle3DraftModel:
+    """The draft under a PEFT wrapper (LoRA), or the draft itself."""
     return draft.get_base_model() if hasattr(draft, "get_base_model") else draft
 
 

@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from eagle3_hf._compat import cache_kwargs
 from eagle3_hf._families import get_family
 from eagle3_hf.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.vocab import draft_to_target_ids, validate_vocab_mapping
 
 
 @dataclass
@@ -230,8 +231,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a draft vocabulary mapping (offsets `d2t` `[Vd]`, membership `t2d` `[V]`), after checking it."""
-        from eagle3_hf.vocab import validate_vocab_mapping
-
         validate_vocab_mapping(d2t, t2d, self.config.vocab_size)
         if d2t.numel() != self.config.draft_vocab_size:
             raise ValueError(
@@ -250,7 +249,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids through the `d2t` offsets."""
-        return draft_ids + self.d2t[draft_ids]
+        return draft_to_target_ids(draft_ids, self.d2t)
 
     def fuse(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """`fc` over the three taps, with the optional per-tap / joint norms of later checkpoints."""

@@ -25,7 +25,7 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from eagle3_hf.features import OfflineFeatureDataset, online_features
+from eagle3_hf.features import OfflineFeatureDataset, _base_draft, online_features
 from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
 from eagle3_hf.vocab import DraftVocab, build_draft_vocab
@@ -131,10 +131,6 @@ class Eagle3DataCollator:
                 out[r, : value.shape[0]] = value
             batch[key] = out
         return batch
-
-
-def _base_draft(model: nn.Module) -> Eagle3DraftModel:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def install_draft_vocab(draft: nn.Module, dataset: Dataset | Any) -> DraftVocab:
