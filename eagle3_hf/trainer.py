@@ -389,6 +389,11 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--save-steps", type=int, default=500)
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--init-draft", default=None, help="continue training this saved draft (keeps its vocabulary)")
+    parser.add_argument(
+        "--target-layer-ids", default=None,
+        help="three comma-separated output_hidden_states ids to tap (low,mid,high; default 2,L//2,L-3); e.g. the "
+        "same id three times for a top-layer-only ablation",
+    )
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output, if any")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -418,7 +423,13 @@ def _run_train(args: Any) -> int:
         size = args.draft_vocab_size
         if offline and size is None:
             size = int(dataset.t2d.sum())
-        draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size).float()
+        overrides = {}
+        if args.target_layer_ids:
+            try:
+                overrides["target_layer_ids"] = [int(i) for i in args.target_layer_ids.split(",")]
+            except ValueError as err:
+                raise ValueError(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}.") from err
+        draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
         if offline:
             draft.set_draft_vocab(dataset.d2t, dataset.t2d)
         elif draft.config.uses_draft_vocab:

@@ -283,6 +283,10 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
                      "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
     continued = Eagle3DraftModel.from_pretrained(str(again))
     assert torch.equal(continued.t2d, draft.t2d)  # continuing keeps the draft's vocabulary
+    top = tmp_path / "top"
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(top), "--max-steps", "1",
+                     "--ttt-length", "2", "--target-layer-ids", "3,3,3"]) == 0  # fmt: skip
+    assert Eagle3DraftModel.from_pretrained(str(top)).config.target_layer_ids == [3, 3, 3]
 
 
 def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):
