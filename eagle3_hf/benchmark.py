@@ -223,7 +223,8 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here")
     parser.add_argument(
-        "--model-card", action="store_true", help="write README.md (from model_cards/TEMPLATE.md) into the --draft folder"
+        "--model-card", action="store_true",
+        help="write README.md (from model_cards/TEMPLATE.md) into the --draft folder",
     )
 
 

@@ -311,7 +311,9 @@ class Eagle3DraftConfig(PretrainedConfig):
         if depth is not None and text.num_hidden_layers != depth:
             problems.append(f"{text.num_hidden_layers} layers (draft expects {depth})")
         if self.target_layer_ids is not None and max(self.target_layer_ids) > text.num_hidden_layers:
-            problems.append(f"no hidden state {max(self.target_layer_ids)} to tap (it has {text.num_hidden_layers} layers)")
+            problems.append(
+                f"no hidden state {max(self.target_layer_ids)} to tap (it has {text.num_hidden_layers} layers)"
+            )
         if problems:
             name = getattr(target_config, "_name_or_path", "") or type(target_config).__name__
             raise ValueError(

@@ -87,7 +87,8 @@ def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
                 f"{draft.config.hidden_size} != target hidden size {draft.config.target_hidden_size}."
             )
         draft.load_target_embedding(target)
-    if not isinstance(getattr(target, "generate", None), functools.partial) or target.generate.func is not _bound_generate:
+    bound = getattr(target, "generate", None)
+    if not isinstance(bound, functools.partial) or bound.func is not _bound_generate:
         target.generate = functools.partial(_bound_generate, target)
 
 
@@ -162,7 +163,8 @@ def _target_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.d
     layer_types = getattr(text, "layer_types", None)
     full = verification_mask(tree_mask, past, dtype)
     if window and layer_types and "sliding_attention" in layer_types:
-        return {"full_attention": full, "sliding_attention": verification_mask(tree_mask, past, dtype, sliding_window=window)}
+        sliding = verification_mask(tree_mask, past, dtype, sliding_window=window)
+        return {"full_attention": full, "sliding_attention": sliding}
     if window and not layer_types and getattr(text, "use_sliding_window", True):
         return verification_mask(tree_mask, past, dtype, sliding_window=window)
     return full
@@ -239,7 +241,9 @@ def eagle3_decoding(
     input_ids = input_ids.to(model.device)  # generate() passes CPU ids through for a model on an accelerator
     draft.config.check_target_config(model.config)
     if generation_config.num_beams not in (None, 1):
-        raise ValueError(f"EAGLE-3 decoding does not combine with beam search; got num_beams={generation_config.num_beams}.")
+        raise ValueError(
+            f"EAGLE-3 decoding does not combine with beam search; got num_beams={generation_config.num_beams}."
+        )
     if (generation_config.num_return_sequences or 1) != 1:
         raise ValueError(
             f"EAGLE-3 decoding returns one sequence; got num_return_sequences={generation_config.num_return_sequences}."

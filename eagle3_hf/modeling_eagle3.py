@@ -208,7 +208,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     ) -> Eagle3DraftModel:
         """A freshly initialised draft for `target`: config derived from the target's, embedding copied, and bound
         to it (so `target.generate(..., assistant_model=draft)` runs EAGLE-3)."""
-        config = Eagle3DraftConfig.from_target_config(target.config, draft_vocab_size=draft_vocab_size, **config_overrides)
+        config = Eagle3DraftConfig.from_target_config(
+            target.config, draft_vocab_size=draft_vocab_size, **config_overrides
+        )
         draft = cls(config)
         draft.load_target_embedding(target)
         ref = target.get_input_embeddings().weight
@@ -267,7 +269,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return self.fc(x)
 
     def causal_mask(
-        self, batch: int, seq: int, past: int, attention_mask: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+        self,
+        batch: int,
+        seq: int,
+        past: int,
+        attention_mask: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> torch.Tensor:
         """Additive `[B, 1, S, past+S]` mask: causal, plus 2D padding when given."""
         q_pos = torch.arange(past, past + seq, device=device)[:, None]

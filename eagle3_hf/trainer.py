@@ -428,7 +428,9 @@ def _run_train(args: Any) -> int:
             try:
                 overrides["target_layer_ids"] = [int(i) for i in args.target_layer_ids.split(",")]
             except ValueError as err:
-                raise ValueError(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}.") from err
+                raise ValueError(
+                    f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}."
+                ) from err
         draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
         if offline:
             draft.set_draft_vocab(dataset.d2t, dataset.t2d)
