@@ -1,4 +1,8 @@
-"""Shared test fixtures: one torch thread, and SmolLM2's real tokenizer as a cached plain folder."""
+"""Shared test fixtures: one torch thread, SmolLM2's real tokenizer as a cached plain folder, a tiny chat target."""
+
+import importlib.util
+import json
+import pathlib
 
 import pytest
 import torch
@@ -27,3 +31,24 @@ def tokenizer_dir(request, tmp_path_factory):
 @pytest.fixture
 def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _train_tiny_example():
+    """examples/train_tiny.py, which builds the tiny chat target and its ShareGPT data."""
+    spec = importlib.util.spec_from_file_location(
+        "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """A tiny random Llama with a chat-template tokenizer saved as a plain folder, and a ShareGPT JSONL for it."""
+    tiny = _train_tiny_example()
+    folder = tmp_path_factory.mktemp("tiny_chat_target")
+    tiny.write_tiny_chat_target(str(folder))
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in tiny.tiny_sharegpt()))
+    return folder, data

@@ -245,14 +245,6 @@ def test_bad_arguments(target, dataset, tmp_path):
 # command line
 
 
-@pytest.fixture(scope="module")
-def chat_target(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_chat_target")
-    tiny.write_tiny_chat_target(str(folder))
-    data = folder / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in tiny.tiny_sharegpt()))
-    return folder, data
-
 
 def test_train_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
