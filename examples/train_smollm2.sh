@@ -15,7 +15,8 @@ eagle3-hf regenerate --target smollm2 --data "$SHAREGPT" --output "$OUT/regen_sh
   --max-conversations 4000 --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 \
   --shard-size 64 --dtype bfloat16
 
-# 2. Train the draft (TTT length 7) on the regenerated answers.
+# 2. Train the draft (TTT length 7) on the regenerated answers. To continue from the shipped draft instead of
+#    starting afresh, add: --init-draft eagle3_hf/drafts/smollm2-135m-instruct
 eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" --output "$OUT/draft_smollm2" \
   --max-steps 20000 --ttt-length 7 --draft-vocab-size 8192 --max-length 512 --resume
 
