@@ -1,8 +1,8 @@
 """Train a tiny EAGLE-3 draft for a tiny random target on CPU: the whole training pipeline in seconds.
 
-    python examples/train_tiny.py --output /tmp/tiny_draft
-    python examples/train_tiny.py --output /tmp/tiny_draft --offline          # precomputed features
-    accelerate launch --num_processes 2 --cpu examples/train_tiny.py --output /tmp/tiny_draft
+    python examples/train_tiny.py --output tiny_draft
+    python examples/train_tiny.py --output tiny_draft --offline          # precomputed features
+    accelerate launch --num_processes 2 --cpu examples/train_tiny.py --output tiny_draft
 
 The target is a random 8-layer Llama whose head is sharpened so that its next-token choice is a clear function of
 the context; the data are arithmetic token sequences (a 4-token prompt, then supervised "assistant" tokens). The
