@@ -61,6 +61,9 @@ class MethodResult:
     outputs: list[list[int]] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)  # drafted cycles only
     cycles: int = 0  # all verification cycles, drafted or not
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,6 +79,18 @@ def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float
         reached = sum(1 for a in accept_lengths if a - 1 >= d)
         rates.append(reached / reached_prev if reached_prev else 0.0)
     return rates
+
+
+def cycle_breakdown(r: MethodResult) -> dict[str, float]:
+    """Where an EAGLE-3 method's time goes, in milliseconds per verification cycle: drafting the tree, the target's
+    verify forward with acceptance and cache compaction, and everything else generate() does around them (token
+    bookkeeping, stopping criteria, logits processors, setup); the prompt's prefill is kept apart."""
+    per = 1000.0 / r.cycles
+    other = r.seconds - r.prefill_s - r.draft_s - r.verify_s
+    return {
+        "draft": r.draft_s * per, "verify": r.verify_s * per, "other": other * per,
+        "tokens_per_cycle": r.tokens / r.cycles, "prefill_per_prompt": 1000.0 * r.prefill_s / len(r.outputs),
+    }
 
 
 def run_benchmark(
@@ -131,6 +146,9 @@ def run_benchmark(
                     # cycles that verified a drafted tree (the cost model may verify the root alone)
                     r.accept_lengths.extend(a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1)
                     r.cycles += len(out.accept_lengths)
+                    r.prefill_s += out.prefill_time
+                    r.draft_s += out.draft_time
+                    r.verify_s += out.verify_time
     report: dict[str, Any] = {"tokens_per_s": {m: results[m].tokens_per_s for m in methods}}
     plain = results.get("plain")
     tree = results.get("eagle3_tree")
@@ -151,6 +169,9 @@ def run_benchmark(
         report["speedup_by_method"] = {
             m: (results[m].tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0) for m in methods
         }
+    report["time_per_cycle_ms"] = {m: cycle_breakdown(results[m]) for m in methods if results[m].cycles}
+    if plain is not None and plain.tokens:
+        report["plain_ms_per_token"] = 1000 * plain.seconds / plain.tokens
     report["tokens"] = {m: results[m].tokens for m in methods}
     report["seconds"] = {m: results[m].seconds for m in methods}
     return report
@@ -184,6 +205,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"greedy outputs identical to plain: {report['identical']:.0%}")
     if "acceptance_by_depth" in report:
         lines.append("acceptance by depth (chain): " + " ".join(f"{a:.2f}" for a in report["acceptance_by_depth"]))
+    for m, b in report.get("time_per_cycle_ms", {}).items():
+        lines.append(
+            f"{m} per cycle: draft {b['draft']:.1f} ms, verify {b['verify']:.1f} ms, other {b['other']:.1f} ms; "
+            f"{b['tokens_per_cycle']:.2f} tokens/cycle"
+        )
+    if "plain_ms_per_token" in report and report.get("time_per_cycle_ms"):
+        lines.append(f"plain: {report['plain_ms_per_token']:.1f} ms per token")
     return "\n".join(lines)
 
 

@@ -405,7 +405,8 @@ class OfflineFeatureDataset(TorchDataset):
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
-    parser.add_argument("--data", required=True, help="conversations: ShareGPT/messages JSON(L) or a folder of shards")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
     parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
     vocab = parser.add_mutually_exclusive_group()
     vocab.add_argument("--draft-vocab-size", type=int, default=None, help="build a draft vocabulary of this size")

@@ -353,14 +353,18 @@ class Eagle3Trainer(Trainer):
 
 
 def load_tokenised_data(
-    target_name: str, data: str, max_length: int, max_conversations: int | None = None
+    target_name: str, data: str | list[str], max_length: int, max_conversations: int | None = None
 ) -> tuple[Any, Dataset, Any]:
-    """Read conversations, render them with the target's chat template; return (tokenizer, dataset, DataStats)."""
+    """Read conversations from one source or several (taken in the order given, then cut to `max_conversations`),
+    render them with the target's chat template; return (tokenizer, dataset, DataStats)."""
     from eagle3_hf.data import build_dataset, read_conversations
     from eagle3_hf.targets import load_tokenizer
 
     tokenizer = load_tokenizer(target_name)
-    conversations = read_conversations(data, limit=max_conversations)
+    conversations: list[dict] = []
+    for source in [data] if isinstance(data, str) else data:
+        left = None if max_conversations is None else max_conversations - len(conversations)
+        conversations += read_conversations(source, limit=left)
     dataset, stats = build_dataset(conversations, tokenizer, max_length)
     print(
         f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} tokens, "
@@ -372,8 +376,8 @@ def load_tokenised_data(
 
 def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
-    parser.add_argument("--data", default=None, help="conversations: ShareGPT/messages JSON or JSONL, or a folder of "
-                        "regenerated shard_*.jsonl (online features)")  # fmt: skip
+    parser.add_argument("--data", default=None, nargs="+", help="conversations: ShareGPT/messages/Alpaca JSON or "
+                        "JSONL, or folders of regenerated shard_*.jsonl; several are joined (online features)")  # fmt: skip
     parser.add_argument("--features", default=None, help="folder written by `eagle3-hf features` (offline features)")
     parser.add_argument("--output", required=True, help="folder for checkpoints, the final draft, trainer_state.json")
     parser.add_argument("--max-steps", type=int, required=True)
@@ -387,6 +391,8 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="per-device batch size")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     parser.add_argument("--save-steps", type=int, default=500)
+    parser.add_argument("--save-total-limit", type=int, default=2,
+                        help="checkpoints kept in --output (older ones are deleted; 0 keeps all)")
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--init-draft", default=None, help="continue training this saved draft (keeps its vocabulary)")
     parser.add_argument(
@@ -438,6 +444,8 @@ def _run_train(args: Any) -> int:
             vocab = install_draft_vocab(draft, dataset)
             print(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
                   f"{100 * vocab.coverage:.2f}% of supervised tokens.")  # fmt: skip
+    if args.save_total_limit < 0:
+        raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
     if not 0.0 <= args.warmup_ratio < 1.0:
         raise ValueError(f"--warmup-ratio is a share of the steps in [0, 1); got {args.warmup_ratio}.")
     training_args = Eagle3TrainingArguments(
@@ -446,7 +454,8 @@ def _run_train(args: Any) -> int:
         learning_rate=args.learning_rate, warmup_steps=args.warmup_ratio, lr_scheduler_type="cosine",
         adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        save_steps=args.save_steps, logging_steps=args.logging_steps, seed=args.seed, report_to="none",
+        save_steps=args.save_steps, save_total_limit=args.save_total_limit or None,
+        logging_steps=args.logging_steps, seed=args.seed, report_to="none",
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, gradient_checkpointing=args.gradient_checkpointing,
         draft_vocab_size=args.draft_vocab_size, build_draft_vocab=False,
         use_cpu=not torch.cuda.is_available(),  # bf16 autocast on a CPU-only machine needs it said explicitly

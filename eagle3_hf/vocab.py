@@ -233,7 +233,8 @@ def load_draft_vocab(path: str | os.PathLike) -> DraftVocab:
 
 def add_cli_arguments(parser) -> None:
     parser.add_argument("--target", required=True, help='target (tokenizer and vocabulary): a folder, .gguf, "smollm2"')
-    parser.add_argument("--data", required=True, help="conversations: ShareGPT/messages JSON(L) or a folder of shards")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
     parser.add_argument("--output", required=True, help="safetensors file to write (d2t, t2d, counts)")
     parser.add_argument("--draft-vocab-size", type=int, required=True)
     parser.add_argument("--max-length", type=int, default=2048)

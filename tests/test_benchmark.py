@@ -54,6 +54,15 @@ def test_tiny_benchmark_reports_every_method():
     assert report["tau"] >= 1.0 and len(report["acceptance_by_depth"]) == draft.config.tree_depth
     assert "tau (tree, incl. bonus, over drafted cycles)" in format_table(report)
     assert report["drafted_cycle_share"] == 1.0  # adaptive_tree=False: every cycle verifies a drafted tree
+    # Where the time goes: only the EAGLE-3 methods have cycles; the parts add up to their measured time.
+    breakdown = report["time_per_cycle_ms"]
+    assert set(breakdown) == {"eagle3_chain", "eagle3_tree"}
+    for m, b in breakdown.items():
+        assert b["draft"] > 0 and b["verify"] > 0 and b["other"] >= 0
+        cycles = report["tokens"][m] / b["tokens_per_cycle"]
+        total_ms = (b["draft"] + b["verify"] + b["other"]) * cycles + b["prefill_per_prompt"] * len(prompts)
+        assert total_ms == pytest.approx(1000 * report["seconds"][m], rel=1e-6)
+    assert "eagle3_tree per cycle: draft" in format_table(report)
 
 
 def test_model_card_fills_fields_and_marks_missing(tmp_path):

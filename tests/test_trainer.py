@@ -267,8 +267,10 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert draft.config.draft_vocab_size == 64 and draft.d2t.any()
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and any("acc_0" in log for log in state["log_history"])
-    assert cli_main(common + ["--max-steps", "4", "--resume"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert cli_main(common + ["--max-steps", "4", "--resume", "--save-total-limit", "1"]) == 0
     assert "Resuming from" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]  # older checkpoints deleted
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
     again = tmp_path / "again"
     assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(again), "--max-steps",
@@ -276,8 +278,10 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     continued = Eagle3DraftModel.from_pretrained(str(again))
     assert torch.equal(continued.t2d, draft.t2d)  # continuing keeps the draft's vocabulary
     top = tmp_path / "top"
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(top), "--max-steps", "1",
-                     "--ttt-length", "2", "--target-layer-ids", "3,3,3"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), str(data), "--output", str(top),
+                     "--max-steps", "1", "--ttt-length", "2", "--target-layer-ids", "3,3,3"]) == 0  # fmt: skip
+    assert "24 of 24 conversations kept" in capsys.readouterr().out  # several --data sources are joined
     assert Eagle3DraftModel.from_pretrained(str(top)).config.target_layer_ids == [3, 3, 3]
 
 
@@ -308,6 +312,8 @@ def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
     code, err = run(target=bare)
     assert code == 2 and "no chat template" in err
+    code, err = run("--save-total-limit", "-1")
+    assert code == 2 and "--save-total-limit must be >= 0" in err
     foreign = tmp_path / "foreign_draft"
     Eagle3DraftModel.from_target(tiny.make_tiny_target(vocab_size=64)).save_pretrained(foreign)
     code, err = run("--init-draft", str(foreign))
