@@ -16,10 +16,20 @@ eagle3-hf regenerate --target smollm2 --data "$SHAREGPT" --output "$OUT/regen_sh
   --max-conversations 4000 --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 \
   --shard-size 64 --dtype bfloat16
 
-# 2. Train the draft (TTT length 7) on the regenerated answers. To continue from the shipped draft instead of
-#    starting afresh, add: --init-draft eagle3_hf/drafts/smollm2-135m-instruct
-eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" --output "$OUT/draft_smollm2" \
-  --max-steps 20000 --ttt-length 7 --draft-vocab-size 8192 --max-length 512 --resume
+# 1b. The same for the 999 Alpaca-GPT4 demo instructions, which ship only in LLaMA-Factory's source archive.
+if [ ! -f "$OUT/alpaca_en_demo.json" ]; then
+  pip download --no-deps --no-binary llamafactory llamafactory==0.9.5 -d "$OUT/sdist"
+  tar xzf "$OUT/sdist/llamafactory-0.9.5.tar.gz" -C "$OUT/sdist" llamafactory-0.9.5/data/alpaca_en_demo.json
+  cp "$OUT/sdist/llamafactory-0.9.5/data/alpaca_en_demo.json" "$OUT/alpaca_en_demo.json"
+fi
+eagle3-hf regenerate --target smollm2 --data "$OUT/alpaca_en_demo.json" --output "$OUT/regen_alpaca" \
+  --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 --shard-size 64 --dtype bfloat16
+
+# 2. Train the draft (TTT length 7) on both sets of regenerated answers. To continue from the shipped draft instead
+#    of starting afresh, add: --init-draft eagle3_hf/drafts/smollm2-135m-instruct
+eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca" --output "$OUT/draft_smollm2" \
+  --max-steps 20000 --ttt-length 7 --draft-vocab-size 8192 --max-length 512 --batch-size 2 --learning-rate 5e-4 \
+  --dtype bfloat16 --resume
 
 # 3. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
 eagle3-hf bench --target smollm2 --draft "$OUT/draft_smollm2" --num-prompts 10 --max-new-tokens 128 \

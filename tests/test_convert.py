@@ -510,6 +510,12 @@ def test_random_embedding_differs_from_target(tmp_path, target):
 
 def test_half_precision_copy_of_the_target_embedding_is_accepted(tmp_path, target):
     path, w, _ = make_checkpoint(tmp_path, target, embed="target")
+    # trained beside a bf16 copy of the target, saved in fp32: bf16-rounded values in an fp32 tensor
+    rounded = Eagle3DraftModel.from_pretrained(path)
+    with torch.no_grad():
+        rounded.embed_tokens.weight.copy_(target.get_input_embeddings().weight.to(torch.bfloat16).float())
+    rounded.save_pretrained(tmp_path / "rounded")
+    Eagle3DraftModel.from_pretrained(tmp_path / "rounded", target=target)
     draft = Eagle3DraftModel.from_pretrained(path, dtype=torch.bfloat16)
     draft.save_pretrained(tmp_path / "bf16")
     Eagle3DraftModel.from_pretrained(tmp_path / "bf16", target=target, dtype="auto")

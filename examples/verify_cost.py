@@ -1,0 +1,48 @@
+"""How much does verifying n tokens cost the target, compared with decoding one?
+
+EAGLE-3's speedup is bounded by tau * t(1) / (t_draft + t(n)): each cycle emits tau tokens for one draft and one
+verify forward over the n tree nodes. On a GPU t(n) stays near t(1) for n up to a few dozen (the forward is
+memory-bound); on a small CPU it grows with n. This prints t(n) for a target at a realistic context length, and the
+tau that a tree of n nodes needs to break even and to reach 2.5x (ignoring draft time, so these are lower bounds).
+
+Usage: python examples/verify_cost.py [--target smollm2] [--context 300] [--threads 1]
+"""
+
+import argparse
+import time
+
+import torch
+
+from eagle3_hf.targets import load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--context", type=int, default=300, help="tokens already in the cache")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_target(args.target)
+    vocab = model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        cache = model(torch.randint(0, vocab, (1, args.context)), use_cache=True).past_key_values
+        times = {}
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            runs = []
+            for _ in range(args.repeats):
+                ids = torch.randint(0, vocab, (1, n))
+                start = time.perf_counter()
+                model(ids, cache=cache, use_cache=True, logits_to_keep=0)  # every node's logits, as verify needs
+                runs.append(time.perf_counter() - start)
+                cache.crop(-n)
+            times[n] = min(runs)
+    print(f"{'nodes':>5} {'ms':>8} {'x t(1)':>7} {'tau for 1x':>11} {'tau for 2.5x':>13}")
+    for n, t in times.items():
+        ratio = t / times[1]
+        print(f"{n:>5} {1000 * t:>8.1f} {ratio:>7.2f} {ratio:>11.2f} {2.5 * ratio:>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
