@@ -70,14 +70,15 @@ class MethodResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float]:
+def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float | None]:
     """n-alpha: share of cycles whose accepted path reached at least depth d, for d = 1..max_depth, given that
-    the cycle reached depth d-1 (the paper's acceptance rate at position d)."""
+    the cycle reached depth d-1 (the paper's acceptance rate at position d). None where no cycle reached d-1:
+    there the rate is unmeasured, not zero."""
     rates = []
     for d in range(1, max_depth + 1):
         reached_prev = sum(1 for a in accept_lengths if a - 1 >= d - 1)
         reached = sum(1 for a in accept_lengths if a - 1 >= d)
-        rates.append(reached / reached_prev if reached_prev else 0.0)
+        rates.append(reached / reached_prev if reached_prev else None)
     return rates
 
 
@@ -190,6 +191,10 @@ def environment() -> dict[str, Any]:
     }
 
 
+def format_rates(rates: list[float | None], sep: str) -> str:
+    return sep.join("n/a" if a is None else f"{a:.2f}" for a in rates)
+
+
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{'method':<16}{'tokens/s':>10}{'speedup':>9}"]
     for m, tps in report["tokens_per_s"].items():
@@ -204,7 +209,7 @@ def format_table(report: dict[str, Any]) -> str:
     if "identical" in report:
         lines.append(f"greedy outputs identical to plain: {report['identical']:.0%}")
     if "acceptance_by_depth" in report:
-        lines.append("acceptance by depth (chain): " + " ".join(f"{a:.2f}" for a in report["acceptance_by_depth"]))
+        lines.append("acceptance by depth (chain): " + format_rates(report["acceptance_by_depth"], " "))
     for m, b in report.get("time_per_cycle_ms", {}).items():
         lines.append(
             f"{m} per cycle: draft {b['draft']:.1f} ms, verify {b['verify']:.1f} ms, other {b['other']:.1f} ms; "
@@ -225,7 +230,10 @@ def plot_acceptance(report: dict[str, Any], path: str) -> None:
         raise ValueError("--plot needs matplotlib (pip install matplotlib).") from err
     rates = report["acceptance_by_depth"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(range(1, len(rates) + 1), rates)
+    ax.bar(range(1, len(rates) + 1), [0.0 if a is None else a for a in rates])
+    for d, a in enumerate(rates, 1):
+        if a is None:  # no cycle got this deep: mark it rather than draw a zero bar
+            ax.text(d, 0.02, "n/a", ha="center", fontsize=8)
     ax.set_xlabel("draft depth")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)

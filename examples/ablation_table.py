@@ -35,7 +35,7 @@ def main(root: str) -> None:
             if logs:
                 last = logs[-1]
                 accs = " / ".join(f"{last[k]:.2f}" for k in sorted(k for k in last if k.startswith("acc_")))
-        depth = " / ".join(f"{a:.2f}" for a in bench["acceptance_by_depth"])
+        depth = " / ".join("n/a" if a is None else f"{a:.2f}" for a in bench["acceptance_by_depth"])
         print(f"| {claim} | {description} | {bench['tau_chain']:.2f} | {depth} | {accs} |")
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.benchmark import acceptance_by_depth, format_table, read_prompts, run_benchmark
+from eagle3_hf.benchmark import acceptance_by_depth, format_rates, format_table, read_prompts, run_benchmark
 from eagle3_hf.model_card import card_fields, render_model_card
 
 
@@ -16,6 +16,9 @@ def test_acceptance_by_depth_hand_computed():
     rates = acceptance_by_depth([1, 2, 3, 3], max_depth=3)
     # depth 1: 3 of 4 cycles got past depth 0; depth 2: 2 of those 3; depth 3: none of those 2
     assert rates == pytest.approx([3 / 4, 2 / 3, 0.0])
+    # no cycle reached depth 3, so depth 4 is unmeasured (None), not a zero acceptance rate
+    assert acceptance_by_depth([1, 2, 3, 3], max_depth=4)[3] is None
+    assert format_rates([0.5, None], " ") == "0.50 n/a"
 
 
 class _Template:
