@@ -161,6 +161,8 @@ def run_benchmark(
         chain = results["eagle3_chain"].accept_lengths
         report["tau_chain"] = sum(chain) / len(chain)
         report["acceptance_by_depth"] = acceptance_by_depth(chain, depth)
+        # how many cycles each rate is measured over (those that reached depth d-1): deep rates rest on few
+        report["acceptance_by_depth_cycles"] = [sum(1 for a in chain if a - 1 >= d - 1) for d in range(1, depth + 1)]
     if plain is not None and tree is not None:
         report["speedup"] = tree.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
         if not sample:
@@ -210,6 +212,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"greedy outputs identical to plain: {report['identical']:.0%}")
     if "acceptance_by_depth" in report:
         lines.append("acceptance by depth (chain): " + format_rates(report["acceptance_by_depth"], " "))
+        if "acceptance_by_depth_cycles" in report:
+            lines.append("  measured over cycles: " + " ".join(str(n) for n in report["acceptance_by_depth_cycles"]))
     for m, b in report.get("time_per_cycle_ms", {}).items():
         lines.append(
             f"{m} per cycle: draft {b['draft']:.1f} ms, verify {b['verify']:.1f} ms, other {b['other']:.1f} ms; "

@@ -36,6 +36,8 @@ def main(root: str) -> None:
                 last = logs[-1]
                 accs = " / ".join(f"{last[k]:.2f}" for k in sorted(k for k in last if k.startswith("acc_")))
         depth = " / ".join("n/a" if a is None else f"{a:.2f}" for a in bench["acceptance_by_depth"])
+        if "acceptance_by_depth_cycles" in bench:
+            depth += " (cycles: " + " / ".join(str(n) for n in bench["acceptance_by_depth_cycles"]) + ")"
         print(f"| {claim} | {description} | {bench['tau_chain']:.2f} | {depth} | {accs} |")
 
 

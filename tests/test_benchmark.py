@@ -55,6 +55,10 @@ def test_tiny_benchmark_reports_every_method():
     assert report["identical"] == 1.0  # greedy EAGLE-3 reproduces plain generate
     assert report["tokens"]["eagle3_tree"] == report["tokens"]["plain"] == 24
     assert report["tau"] >= 1.0 and len(report["acceptance_by_depth"]) == draft.config.tree_depth
+    cycles = report["acceptance_by_depth_cycles"]
+    per_cycle = report["time_per_cycle_ms"]["eagle3_chain"]["tokens_per_cycle"]
+    assert cycles[0] == pytest.approx(report["tokens"]["eagle3_chain"] / per_cycle)  # every chain cycle drafts
+    assert all(a >= b for a, b in zip(cycles, cycles[1:]))
     assert "tau (tree, incl. bonus, over drafted cycles)" in format_table(report)
     assert report["drafted_cycle_share"] == 1.0  # adaptive_tree=False: every cycle verifies a drafted tree
     # Where the time goes: only the EAGLE-3 methods have cycles; the parts add up to their measured time.
