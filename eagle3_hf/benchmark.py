@@ -200,7 +200,8 @@ def format_rates(rates: list[float | None], sep: str) -> str:
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{'method':<16}{'tokens/s':>10}{'speedup':>9}"]
     for m, tps in report["tokens_per_s"].items():
-        lines.append(f"{m:<16}{tps:>10.2f}{report.get('speedup_by_method', {}).get(m, 0.0):>8.2f}x")
+        speedup = report.get("speedup_by_method", {}).get(m)  # absent without plain to compare with
+        lines.append(f"{m:<16}{tps:>10.2f}" + (f"{speedup:>8.2f}x" if speedup is not None else f"{'-':>9}"))
     if "tau" in report:
         lines.append(
             f"tau (tree, incl. bonus, over drafted cycles): {report['tau']:.2f}; "

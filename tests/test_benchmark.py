@@ -70,6 +70,9 @@ def test_tiny_benchmark_reports_every_method():
         total_ms = (b["draft"] + b["verify"] + b["other"]) * cycles + b["prefill_per_prompt"] * len(prompts)
         assert total_ms == pytest.approx(1000 * report["seconds"][m], rel=1e-6)
     assert "eagle3_tree per cycle: draft" in format_table(report)
+    chain_only = run_benchmark(target, draft, prompts[:1], max_new_tokens=4, methods=("eagle3_chain",))
+    row = format_table(chain_only).splitlines()[1].split()
+    assert row == ["eagle3_chain", f"{chain_only['tokens_per_s']['eagle3_chain']:.2f}", "-"]  # no plain: no ratio
 
 
 def test_model_card_fills_fields_and_marks_missing(tmp_path):
