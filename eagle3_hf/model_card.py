@@ -46,6 +46,10 @@ def card_fields(draft_dir: str, report: dict[str, Any] | None = None, **extra: A
             tau=f"{report['tau']:.2f}" if "tau" in report else None,
             speedup=f"{report['speedup']:.2f}x" if "speedup" in report else None,
             identical=f"{report['identical']:.0%}" if "identical" in report else None,
+            tau_chain=f"{report['tau_chain']:.2f}" if "tau_chain" in report else None,
+            acceptance_by_depth=" / ".join(
+                "n/a" if a is None else f"{a:.2f}" for a in report["acceptance_by_depth"]
+            ) if "acceptance_by_depth" in report else None,
             hardware=f"{env.get('cuda') or env.get('cpu')} ({env.get('threads')} threads)",
             dtype=cfg.get("dtype"),
             prompts=f"{cfg.get('num_prompts')} MT-bench turn-1 prompts x {cfg.get('max_new_tokens')} new tokens",

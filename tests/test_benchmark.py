@@ -81,10 +81,12 @@ def test_model_card_fills_fields_and_marks_missing(tmp_path):
                     "vocab_size": 49152})
     )
     report = {"tau": 3.456, "speedup": 2.01, "identical": 1.0, "environment": {"cpu": "x86_64", "threads": 1},
+              "tau_chain": 2.5, "acceptance_by_depth": [0.7, 0.6, None],
               "config": {"dtype": "float32", "num_prompts": 10, "max_new_tokens": 128}}
     card = render_model_card(card_fields(str(tmp_path), report, bench_command="eagle3-hf bench"))
     assert "# EAGLE-3 draft for smollm2" in card
     assert "| 3.46 | 2.01x | 100% |" in card
+    assert "tau 2.50; acceptance by depth (n-alpha) 0.70 / 0.60 / n/a." in card
     assert "8192 of 49152 tokens" in card
     assert "revision `n/a`" in card  # nothing known about it: said so, not invented
 
