@@ -50,7 +50,8 @@ def card_fields(draft_dir: str, report: dict[str, Any] | None = None, **extra: A
             acceptance_by_depth=" / ".join(
                 "n/a" if a is None else f"{a:.2f}" for a in report["acceptance_by_depth"]
             ) if "acceptance_by_depth" in report else None,
-            hardware=f"{env.get('cuda') or env.get('cpu')} ({env.get('threads')} threads)",
+            hardware=f"{env.get('cuda') or env.get('cpu')} ({env.get('threads')} thread"
+            + ("" if env.get("threads") == 1 else "s") + ")",
             dtype=cfg.get("dtype"),
             prompts=f"{cfg.get('num_prompts')} MT-bench turn-1 prompts x {cfg.get('max_new_tokens')} new tokens",
             transformers_version=env.get("transformers"),

@@ -87,6 +87,7 @@ def test_model_card_fills_fields_and_marks_missing(tmp_path):
     assert "# EAGLE-3 draft for smollm2" in card
     assert "| 3.46 | 2.01x | 100% |" in card
     assert "tau 2.50; acceptance by depth (n-alpha) 0.70 / 0.60 / n/a." in card
+    assert "| x86_64 (1 thread) | float32 |" in card
     assert "8192 of 49152 tokens" in card
     assert "revision `n/a`" in card  # nothing known about it: said so, not invented
 
