@@ -12,7 +12,9 @@ import argparse
 import time
 
 import torch
+from transformers import DynamicCache
 
+from eagle3_hf._compat import cache_kwargs
 from eagle3_hf.targets import load_target
 
 
@@ -27,14 +29,15 @@ def main() -> None:
     model = load_target(args.target)
     vocab = model.config.get_text_config().vocab_size
     with torch.no_grad():
-        cache = model(torch.randint(0, vocab, (1, args.context)), use_cache=True).past_key_values
+        cache = DynamicCache()
+        model(torch.randint(0, vocab, (1, args.context)), use_cache=True, **cache_kwargs(cache))
         times = {}
         for n in (1, 2, 4, 8, 16, 32, 64):
             runs = []
             for _ in range(args.repeats):
                 ids = torch.randint(0, vocab, (1, n))
                 start = time.perf_counter()
-                model(ids, cache=cache, use_cache=True, logits_to_keep=0)  # every node's logits, as verify needs
+                model(ids, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))  # every node's logits, as verify needs
                 runs.append(time.perf_counter() - start)
                 cache.crop(-n)
             times[n] = min(runs)
