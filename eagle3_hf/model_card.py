@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from eagle3_hf.benchmark import format_rates
+
 # The template lives in the repository (model_cards/), next to the package of an editable install.
 _TEMPLATE_CANDIDATES = (os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_cards", "TEMPLATE.md"),)
 
@@ -47,9 +49,8 @@ def card_fields(draft_dir: str, report: dict[str, Any] | None = None, **extra: A
             speedup=f"{report['speedup']:.2f}x" if "speedup" in report else None,
             identical=f"{report['identical']:.0%}" if "identical" in report else None,
             tau_chain=f"{report['tau_chain']:.2f}" if "tau_chain" in report else None,
-            acceptance_by_depth=" / ".join(
-                "n/a" if a is None else f"{a:.2f}" for a in report["acceptance_by_depth"]
-            ) if "acceptance_by_depth" in report else None,
+            acceptance_by_depth=format_rates(report["acceptance_by_depth"], " / ")
+            if "acceptance_by_depth" in report else None,
             hardware=f"{env.get('cuda') or env.get('cpu')} ({env.get('threads')} thread"
             + ("" if env.get("threads") == 1 else "s") + ")",
             dtype=cfg.get("dtype"),

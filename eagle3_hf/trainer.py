@@ -414,6 +414,10 @@ def _run_train(args: Any) -> int:
 
     if (args.data is None) == (args.features is None):
         raise ValueError("Give exactly one of --data (conversations, online features) or --features (offline).")
+    if args.save_total_limit < 0:
+        raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
+    if not 0.0 <= args.warmup_ratio < 1.0:
+        raise ValueError(f"--warmup-ratio is a share of the steps in [0, 1); got {args.warmup_ratio}.")
     set_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     offline = args.features is not None
@@ -444,10 +448,6 @@ def _run_train(args: Any) -> int:
             vocab = install_draft_vocab(draft, dataset)
             print(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
                   f"{100 * vocab.coverage:.2f}% of supervised tokens.")  # fmt: skip
-    if args.save_total_limit < 0:
-        raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
-    if not 0.0 <= args.warmup_ratio < 1.0:
-        raise ValueError(f"--warmup-ratio is a share of the steps in [0, 1); got {args.warmup_ratio}.")
     training_args = Eagle3TrainingArguments(
         output_dir=args.output, max_steps=args.max_steps, ttt_length=args.ttt_length, ttt_decay=args.ttt_decay,
         feature_mode="offline" if offline else "online", max_length=args.max_length,

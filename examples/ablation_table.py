@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from eagle3_hf.benchmark import format_rates
+
 RUNS = {  # folder: (what it tests, description)
     "fused_ttt7_all": ("baseline", "fused taps, TTT 7, all data"),
     "fused_ttt1_all": ("(a)", "fused taps, TTT 1 (no training-time test), all data"),
@@ -35,7 +37,7 @@ def main(root: str) -> None:
             if logs:
                 last = logs[-1]
                 accs = " / ".join(f"{last[k]:.2f}" for k in sorted(k for k in last if k.startswith("acc_")))
-        depth = " / ".join("n/a" if a is None else f"{a:.2f}" for a in bench["acceptance_by_depth"])
+        depth = format_rates(bench["acceptance_by_depth"], " / ")
         if "acceptance_by_depth_cycles" in bench:
             depth += " (cycles: " + " / ".join(str(n) for n in bench["acceptance_by_depth_cycles"]) + ")"
         print(f"| {claim} | {description} | {bench['tau_chain']:.2f} | {depth} | {accs} |")

@@ -37,7 +37,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 ids = torch.randint(0, vocab, (1, n))
                 start = time.perf_counter()
-                model(ids, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))  # every node's logits, as verify needs
+                # logits_to_keep=0: every node's logits, as verification needs
+                model(ids, use_cache=True, logits_to_keep=0, **cache_kwargs(cache))
                 runs.append(time.perf_counter() - start)
                 cache.crop(-n)
             times[n] = min(runs)
