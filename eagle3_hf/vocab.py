@@ -208,12 +208,20 @@ def save_draft_vocab(path: str | os.PathLike, vocab: DraftVocab) -> None:
 
 
 def load_draft_vocab(path: str | os.PathLike) -> DraftVocab:
-    """Read a file written by `save_draft_vocab`, checking that its mapping is consistent."""
-    with safe_open(os.fspath(path), framework="pt") as f:
+    """Read a file written by `save_draft_vocab`, or the vocabulary of a saved draft folder, checking its mapping.
+
+    A draft folder (``model.safetensors`` holding ``d2t`` and ``t2d``) carries no token counts: ``counts`` is then
+    all zeros and ``coverage`` is NaN. Reading the vocabulary of a draft is what continuing to train it on offline
+    features needs (`eagle3-hf features --vocab DRAFT_FOLDER`).
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return _vocab_of_draft_folder(path)
+    with safe_open(path, framework="pt") as f:
         keys, metadata = set(f.keys()), f.metadata() or {}
         missing = {"d2t", "t2d", "counts"} - keys
         if missing:
-            raise ValueError(f"{os.fspath(path)!r} is not a draft vocabulary file: it lacks {sorted(missing)}.")
+            raise ValueError(f"{path!r} is not a draft vocabulary file: it lacks {sorted(missing)}.")
         d2t, t2d, counts = (f.get_tensor(k) for k in ("d2t", "t2d", "counts"))
     validate_vocab_mapping(d2t, t2d, t2d.numel())
     return DraftVocab(
@@ -224,6 +232,24 @@ def load_draft_vocab(path: str | os.PathLike) -> DraftVocab:
         num_seen=int(metadata.get("num_seen", int((counts > 0).sum()))),
         num_padded=int(metadata.get("num_padded", 0)),
     )
+
+
+def _vocab_of_draft_folder(folder: str) -> DraftVocab:
+    weights = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise ValueError(
+            f"{folder!r} is a folder without model.safetensors: expected a draft vocabulary file or a saved draft."
+        )
+    with safe_open(weights, framework="pt") as f:
+        missing = {"d2t", "t2d"} - set(f.keys())
+        if missing:
+            raise ValueError(f"{weights!r} holds no draft vocabulary: it lacks {sorted(missing)}.")
+        d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
+    validate_vocab_mapping(d2t, t2d, t2d.numel())
+    return DraftVocab(
+        d2t=d2t, t2d=t2d, counts=torch.zeros(t2d.numel(), dtype=torch.long), coverage=float("nan"),
+        num_seen=0, num_padded=0,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------------

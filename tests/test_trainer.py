@@ -283,6 +283,22 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
                      "--max-steps", "1", "--ttt-length", "2", "--target-layer-ids", "3,3,3"]) == 0  # fmt: skip
     assert "24 of 24 conversations kept" in capsys.readouterr().out  # several --data sources are joined
     assert Eagle3DraftModel.from_pretrained(str(top)).config.target_layer_ids == [3, 3, 3]
+    # Continuing the saved draft on offline features: precompute them with that draft's own vocabulary.
+    features = tmp_path / "features"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(features),
+                     "--vocab", str(out), "--shard-size", "6"]) == 0  # fmt: skip
+    offline = tmp_path / "offline"
+    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(offline),
+                     "--max-steps", "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
+    assert torch.equal(Eagle3DraftModel.from_pretrained(str(offline)).t2d, draft.t2d)
+    # Features of another vocabulary are refused, naming the folder.
+    other = tmp_path / "other_features"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(other),
+                     "--draft-vocab-size", "32", "--shard-size", "6"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(["train", "--target", str(folder), "--features", str(other), "--output", str(tmp_path / "x"),
+                     "--max-steps", "1", "--ttt-length", "2", "--init-draft", str(out)]) == 2  # fmt: skip
+    assert "another draft vocabulary" in capsys.readouterr().err
 
 
 def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):

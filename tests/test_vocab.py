@@ -165,6 +165,23 @@ def test_load_rejects_foreign_or_inconsistent_files(tmp_path):
         load_draft_vocab(tmp_path / "bad.safetensors")
 
 
+def test_load_reads_the_vocabulary_of_a_saved_draft_folder(tmp_path):
+    from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
+
+    vocab = build_draft_vocab(torch.tensor(TOY_COUNTS), 8, 3)
+    config = Eagle3DraftConfig(vocab_size=8, draft_vocab_size=3, hidden_size=16, intermediate_size=32,
+                               num_attention_heads=2, num_key_value_heads=1)
+    draft = Eagle3DraftModel(config)
+    draft.set_draft_vocab(vocab.d2t, vocab.t2d)
+    draft.save_pretrained(tmp_path / "draft")
+    loaded = load_draft_vocab(tmp_path / "draft")
+    assert torch.equal(loaded.d2t, vocab.d2t) and torch.equal(loaded.t2d, vocab.t2d)
+    assert not loaded.counts.any() and loaded.coverage != loaded.coverage  # no counts in a draft: NaN coverage
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="folder without model.safetensors"):
+        load_draft_vocab(tmp_path / "empty")
+
+
 
 
 def test_vocab_from_real_sharegpt_conversations(tokenizer_dir):
