@@ -410,8 +410,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
     vocab = parser.add_mutually_exclusive_group()
     vocab.add_argument("--draft-vocab-size", type=int, default=None, help="build a draft vocabulary of this size")
-    vocab.add_argument("--vocab", default=None, help="draft vocabulary: a file written by `eagle3-hf vocab`, or a saved draft folder "
-                       "(to continue training that draft with --init-draft)")
+    vocab.add_argument("--vocab", default=None, help="draft vocabulary: a file written by `eagle3-hf vocab`, or a "
+                       "saved draft folder (to continue that draft with `train --init-draft`)")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-conversations", type=int, default=None)
     parser.add_argument("--shard-size", type=int, default=256)

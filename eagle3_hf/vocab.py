@@ -215,6 +215,10 @@ def load_draft_vocab(path: str | os.PathLike) -> DraftVocab:
     features needs (`eagle3-hf features --vocab DRAFT_FOLDER`).
     """
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"No draft vocabulary at {path!r}: expected a file written by `eagle3-hf vocab` or a draft folder."
+        )
     if os.path.isdir(path):
         return _vocab_of_draft_folder(path)
     with safe_open(path, framework="pt") as f:
@@ -270,11 +274,10 @@ def add_cli_arguments(parser) -> None:
 def run_cli(args) -> int:
     import sys
 
-    from eagle3_hf.trainer import load_tokenised_data
-
     from transformers import AutoConfig
 
     from eagle3_hf.targets import resolve_target
+    from eagle3_hf.trainer import load_tokenised_data
 
     try:
         _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)

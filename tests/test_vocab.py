@@ -180,6 +180,8 @@ def test_load_reads_the_vocabulary_of_a_saved_draft_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="folder without model.safetensors"):
         load_draft_vocab(tmp_path / "empty")
+    with pytest.raises(ValueError, match="No draft vocabulary at"):
+        load_draft_vocab(tmp_path / "missing.safetensors")
 
 
 
