@@ -378,7 +378,8 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
     parser.add_argument("--data", default=None, nargs="+", help="conversations: ShareGPT/messages/Alpaca JSON or "
                         "JSONL, or folders of regenerated shard_*.jsonl; several are joined (online features)")  # fmt: skip
-    parser.add_argument("--features", default=None, help="folder written by `eagle3-hf features` (offline features)")
+    parser.add_argument("--features", nargs="+", default=None,
+                        help="folders written by `eagle3-hf features` (offline features); several are joined")  # fmt: skip
     parser.add_argument("--output", required=True, help="folder for checkpoints, the final draft, trainer_state.json")
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--ttt-length", type=int, default=7)
@@ -423,7 +424,7 @@ def _run_train(args: Any) -> int:
     offline = args.features is not None
     if offline:
         dataset = OfflineFeatureDataset(args.features)
-        print(f"Offline features: {len(dataset)} samples from {args.features}.")
+        print(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
     else:
         _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
     target = load_target(args.target, dtype=dtype)

@@ -11,23 +11,33 @@ set -euo pipefail
 OUT=${OUT:-work_data}
 DRAFT=${DRAFT:-eagle3_hf/drafts/smollm2-135m-instruct}
 
-# 0. The regenerated answers committed in examples/data (the shipped draft was continued on the 2,052 ShareGPT
-#    conversations of smollm2_sharegpt_regen.tar.gz and the 999 Alpaca ones; the later archives add more).
+# 0. The regenerated answers committed in examples/data: smollm2_sharegpt_regen.tar.gz (2,052 ShareGPT) and
+#    smollm2_alpaca_regen.tar.gz (999 Alpaca) are the data the draft was first trained on; the later
+#    smollm2_sharegpt_regen_<k>.tar.gz archives hold ShareGPT conversations regenerated after them.
 for name in sharegpt alpaca; do
   if [ ! -d "$OUT/regen_$name" ]; then
     mkdir -p "$OUT"
     for archive in examples/data/smollm2_"${name}"_regen*.tar.gz; do tar xzf "$archive" -C "$OUT"; done
   fi
 done
+# The shard files of the later archives, as paths under $OUT.
+MORE=$(for archive in examples/data/smollm2_sharegpt_regen_*.tar.gz; do tar tzf "$archive"; done | grep '\.jsonl$' |
+  sed "s|^|$OUT/|")
 
-# 1. Target features, once (the target runs in bf16, as in online bf16 training).
-eagle3-hf features --target smollm2 --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca" --output "$OUT/features_all" \
+# 1. Target features, once (the target runs in bf16, as in online bf16 training): the first data set in one folder,
+#    the later conversations in another, so that adding data never recomputes the older features.
+FIRST=$(tar tzf examples/data/smollm2_sharegpt_regen.tar.gz | grep '\.jsonl$' | sed "s|^|$OUT/|")
+# shellcheck disable=SC2086  # the shard lists are meant to split into one argument per file
+eagle3-hf features --target smollm2 --data $FIRST "$OUT/regen_alpaca" --output "$OUT/features_all" \
+  --vocab "$DRAFT" --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
+# shellcheck disable=SC2086
+eagle3-hf features --target smollm2 --data $MORE --output "$OUT/features_more" \
   --vocab "$DRAFT" --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
 
-# 2. Continue the draft from its saved weights (a fresh cosine schedule over --max-steps).
-eagle3-hf train --target smollm2 --features "$OUT/features_all" --output "$OUT/draft_offline" --init-draft "$DRAFT" \
-  --max-steps "${STEPS:-4000}" --ttt-length 7 --batch-size 2 --learning-rate 3e-4 --dtype bfloat16 \
-  --save-steps 100 --logging-steps 50 --resume
+# 2. Continue the draft from its saved weights on both folders (a fresh cosine schedule over --max-steps).
+eagle3-hf train --target smollm2 --features "$OUT/features_all" "$OUT/features_more" --output "$OUT/draft_offline" \
+  --init-draft "$DRAFT" --max-steps "${STEPS:-4000}" --ttt-length 7 --batch-size 2 --learning-rate 3e-4 \
+  --dtype bfloat16 --save-steps 100 --logging-steps 50 --resume
 
 # 3. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
 eagle3-hf bench --target smollm2 --draft "$OUT/draft_offline" --num-prompts 10 --max-new-tokens 128 \

@@ -106,6 +106,31 @@ def test_a_folder_of_another_run_is_refused_and_kept(setup, tmp_path):
         OfflineFeatureDataset(tmp_path)
 
 
+def test_several_folders_read_as_one_data_set_in_order(setup, tmp_path):
+    target, draft, rows = setup
+    precompute_features(target, rows.select(range(3)), tmp_path / "a", t2d=draft.t2d, shard_size=2)
+    precompute_features(target, rows.select(range(3, 5)), tmp_path / "b", t2d=draft.t2d, shard_size=1)
+    whole = precompute_features(target, rows, tmp_path / "all", t2d=draft.t2d, shard_size=2)
+    joined, alone = OfflineFeatureDataset([tmp_path / "a", tmp_path / "b"]), OfflineFeatureDataset(tmp_path / "all")
+    assert whole and len(joined) == len(alone) == 5 and joined.folders == [str(tmp_path / "a"), str(tmp_path / "b")]
+    for i in (0, 2, 3, 4, -1):  # both sides of the seam, and a negative index
+        for key, value in alone[i].items():
+            torch.testing.assert_close(joined[i][key], value, atol=1e-6, rtol=1e-6)
+    with pytest.raises(IndexError, match="index 5 is out of range for 5"):
+        joined[5]
+    # Another draft vocabulary (or other taps) cannot be joined: the rows would mean different things.
+    other = draft.t2d.clone()
+    other[int(other.nonzero()[-1])], other[int((~other).nonzero()[0])] = False, True
+    precompute_features(target, rows.select(range(2)), tmp_path / "c", t2d=other, shard_size=2)
+    with pytest.raises(ValueError, match="cannot be joined.*different draft vocabularies"):
+        OfflineFeatureDataset([tmp_path / "a", tmp_path / "c"])
+    precompute_features(target, rows.select(range(2)), tmp_path / "d", t2d=draft.t2d, layer_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"cannot be joined to those in .*: layer_ids \[2, 4, 5\] vs \[1, 2, 3\]"):
+        OfflineFeatureDataset([tmp_path / "a", tmp_path / "d"])
+    with pytest.raises(ValueError, match="at least one features folder"):
+        OfflineFeatureDataset([])
+
+
 def test_too_little_disk_fails_before_writing(setup, tmp_path, monkeypatch):
     target, draft, rows = setup
     usage = namedtuple("usage", "total used free")

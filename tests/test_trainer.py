@@ -288,8 +288,10 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(features),
                      "--vocab", str(out), "--shard-size", "6"]) == 0  # fmt: skip
     offline = tmp_path / "offline"
-    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(offline),
-                     "--max-steps", "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(["train", "--target", str(folder), "--features", str(features), str(features), "--output",
+                     str(offline), "--max-steps", "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
+    assert "Offline features: 24 samples" in capsys.readouterr().out  # several --features folders are joined
     assert torch.equal(Eagle3DraftModel.from_pretrained(str(offline)).t2d, draft.t2d)
     # Features of another vocabulary are refused, naming the folder.
     other = tmp_path / "other_features"
