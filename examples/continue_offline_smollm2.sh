@@ -34,9 +34,11 @@ eagle3-hf features --target smollm2 --data $FIRST "$OUT/regen_alpaca" --output "
 eagle3-hf features --target smollm2 --data $MORE --output "$OUT/features_more" \
   --vocab "$DRAFT" --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
 
-# 2. Continue the draft from its saved weights on both folders (a fresh cosine schedule over --max-steps).
-eagle3-hf train --target smollm2 --features "$OUT/features_all" "$OUT/features_more" --output "$OUT/draft_offline" \
-  --init-draft "$DRAFT" --max-steps "${STEPS:-4000}" --ttt-length 7 --batch-size 2 --learning-rate 3e-4 \
+# 2. Continue the draft from its saved weights on both folders (a fresh cosine schedule over --max-steps). The new
+#    folder is named twice, so its conversations are drawn twice as often as the ones the draft has already seen.
+eagle3-hf train --target smollm2 --features "$OUT/features_all" "$OUT/features_more" "$OUT/features_more" \
+  --output "$OUT/draft_offline" \
+  --init-draft "$DRAFT" --max-steps "${STEPS:-2000}" --ttt-length 7 --batch-size 2 --learning-rate 3e-4 \
   --dtype bfloat16 --save-steps 100 --logging-steps 50 --resume
 
 # 3. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
