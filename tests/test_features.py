@@ -110,9 +110,9 @@ def test_several_folders_read_as_one_data_set_in_order(setup, tmp_path):
     target, draft, rows = setup
     precompute_features(target, rows.select(range(3)), tmp_path / "a", t2d=draft.t2d, shard_size=2)
     precompute_features(target, rows.select(range(3, 5)), tmp_path / "b", t2d=draft.t2d, shard_size=1)
-    whole = precompute_features(target, rows, tmp_path / "all", t2d=draft.t2d, shard_size=2)
+    precompute_features(target, rows, tmp_path / "all", t2d=draft.t2d, shard_size=2)
     joined, alone = OfflineFeatureDataset([tmp_path / "a", tmp_path / "b"]), OfflineFeatureDataset(tmp_path / "all")
-    assert whole and len(joined) == len(alone) == 5 and joined.folders == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert len(joined) == len(alone) == 5 and joined.folders == [str(tmp_path / "a"), str(tmp_path / "b")]
     for i in (0, 2, 3, 4, -1):  # both sides of the seam, and a negative index
         for key, value in alone[i].items():
             torch.testing.assert_close(joined[i][key], value, atol=1e-6, rtol=1e-6)
