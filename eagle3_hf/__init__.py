@@ -6,8 +6,11 @@ Importing the package registers `Eagle3DraftConfig` / `Eagle3DraftModel` with `A
 
 from transformers import AutoConfig, AutoModel
 
-from eagle3_hf.configuration_eagle3 import SUPPORTED_LAYER_TYPES, Eagle3DraftConfig, default_target_layer_ids
-from eagle3_hf.modeling_eagle3 import Eagle3DraftModel, Eagle3DraftOutput, Eagle3PreTrainedModel
+from eagle3_hf.modeling.configuration_eagle3 import SUPPORTED_LAYER_TYPES, Eagle3DraftConfig, default_target_layer_ids
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, Eagle3DraftOutput, Eagle3PreTrainedModel
+
+# Registers `bind_target` as what `Eagle3DraftModel.bind` runs (the model does not import generation).
+from eagle3_hf import generation as _generation  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

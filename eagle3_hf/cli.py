@@ -17,13 +17,13 @@ from typing import Any
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "regenerate": ("eagle3_hf.regenerate", "re-answer training prompts with the target model"),
-    "vocab": ("eagle3_hf.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
-    "features": ("eagle3_hf.features", "precompute target features (offline training) to safetensors shards"),
-    "train": ("eagle3_hf.trainer", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
-    "generate": ("eagle3_hf.generation", "generate with a target and its EAGLE-3 draft"),
+    "regenerate": ("eagle3_hf.training.regenerate", "re-answer training prompts with the target model"),
+    "vocab": ("eagle3_hf.training.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
+    "features": ("eagle3_hf.training.features", "precompute target features (offline training) to safetensors shards"),
+    "train": ("eagle3_hf.training.trainer", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
+    "generate": ("eagle3_hf.generation.decoding", "generate with a target and its EAGLE-3 draft"),
     "bench": ("eagle3_hf.benchmark", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
-    "convert": ("eagle3_hf.convert", "convert a draft checkpoint between native, speculators and official layouts"),
+    "convert": ("eagle3_hf.modeling.checkpoints", "convert a draft checkpoint between native, speculators and official layouts"),
 }
 
 

@@ -21,8 +21,8 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.features import OfflineFeatureDataset, precompute_features
-from eagle3_hf.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
+from eagle3_hf.training.features import OfflineFeatureDataset, precompute_features
+from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
 
 VOCAB = 64
 

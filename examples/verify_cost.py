@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from eagle3_hf._compat import cache_kwargs
+from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.targets import load_target
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle3_hf.cost_model import CycleCostModel, LinearCost
+from eagle3_hf.generation.cost_model import CycleCostModel, LinearCost
 
 
 def test_linear_cost_recovers_an_exact_line():

@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from eagle3_hf.data import (
+from eagle3_hf.training.data import (
     as_conversations,
     build_dataset,
     has_generation_markers,
@@ -126,7 +126,7 @@ def test_read_truncated_json_keeps_whole_records(tmp_path, caplog):
     text = json.dumps(records, indent=2)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.index('"id": "2"') + 5])  # the third record is cut off
-    with caplog.at_level(logging.WARNING, logger="eagle3_hf.data"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_hf.training.data"):
         conversations = read_conversations(cut)
     assert [c["id"] for c in conversations] == ["0", "1"]
     assert "kept the 2 whole records" in caplog.text

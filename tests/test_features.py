@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf import features as features_module
+from eagle3_hf.training import features as features_module
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.features import OfflineFeatureDataset, estimate_feature_bytes, online_features, precompute_features
-from eagle3_hf.trainer import Eagle3DataCollator, install_draft_vocab
-from eagle3_hf.ttt import ttt_forward, ttt_loss
+from eagle3_hf.training.features import OfflineFeatureDataset, estimate_feature_bytes, online_features, precompute_features
+from eagle3_hf.training.trainer import Eagle3DataCollator, install_draft_vocab
+from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
 torch.set_num_threads(1)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eagle3_hf.data import read_conversations
-from eagle3_hf.regenerate import list_shards, prompt_rounds, regenerate_responses
+from eagle3_hf.training.data import read_conversations
+from eagle3_hf.training.regenerate import list_shards, prompt_rounds, regenerate_responses
 
 MAX_NEW_TOKENS = 6
 

@@ -18,9 +18,9 @@ from transformers import TrainerCallback
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.features import online_features
-from eagle3_hf.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
-from eagle3_hf.ttt import ttt_forward, ttt_loss
+from eagle3_hf.training.features import online_features
+from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
+from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).parents[1]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eagle3_hf.tree import (
+from eagle3_hf.generation.tree import (
     DraftTree,
     children_lists,
     expand_topk,

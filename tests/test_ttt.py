@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.ttt import (
+from eagle3_hf.training.ttt import (
     restrict_to_draft_vocab,
     shift_left,
     simulated_acceptance_length,

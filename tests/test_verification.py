@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from eagle3_hf.tree import sample_children
-from eagle3_hf.verification import AcceptResult, _rrs_stages, greedy_accept, rrs_step, sample_accept
+from eagle3_hf.generation.tree import sample_children
+from eagle3_hf.generation.verification import AcceptResult, _rrs_stages, greedy_accept, rrs_step, sample_accept
 
 
 #                      0:10

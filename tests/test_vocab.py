@@ -7,8 +7,8 @@ from datasets import Dataset
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from eagle3_hf.data import build_dataset, read_conversations
-from eagle3_hf.vocab import (
+from eagle3_hf.training.data import build_dataset, read_conversations
+from eagle3_hf.training.vocab import (
     build_draft_vocab,
     count_supervised_tokens,
     draft_to_target_ids,

@@ -25,10 +25,10 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from eagle3_hf.features import OfflineFeatureDataset, _base_draft, online_features
-from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
-from eagle3_hf.vocab import DraftVocab, build_draft_vocab
+from eagle3_hf.training.features import OfflineFeatureDataset, _base_draft, online_features
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
+from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Eagle3DataCollator:
     Example:
 
     ```python
-    >>> from eagle3_hf.trainer import Eagle3DataCollator
+    >>> from eagle3_hf.training.trainer import Eagle3DataCollator
     >>> rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}]
     >>> batch = Eagle3DataCollator()(rows)
     >>> batch["input_ids"].tolist(), batch["loss_mask"].tolist(), batch["attention_mask"].tolist()
@@ -357,7 +357,7 @@ def load_tokenised_data(
 ) -> tuple[Any, Dataset, Any]:
     """Read conversations from one source or several (taken in the order given, then cut to `max_conversations`),
     render them with the target's chat template; return (tokenizer, dataset, DataStats)."""
-    from eagle3_hf.data import build_dataset, read_conversations
+    from eagle3_hf.training.data import build_dataset, read_conversations
     from eagle3_hf.targets import load_tokenizer
 
     tokenizer = load_tokenizer(target_name)

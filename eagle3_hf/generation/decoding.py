@@ -31,9 +31,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from eagle3_hf._compat import cache_kwargs, generate_output_cache_field
-from eagle3_hf.cost_model import CycleCostModel
-from eagle3_hf.drafting import (
+from eagle3_hf.modeling._compat import cache_kwargs, generate_output_cache_field
+from eagle3_hf.generation.cost_model import CycleCostModel
+from eagle3_hf.generation.drafting import (
     DraftState,
     TreeBudget,
     build_greedy_tree,
@@ -41,9 +41,9 @@ from eagle3_hf.drafting import (
     crop_cache,
     flush_pending,
 )
-from eagle3_hf.modeling_eagle3 import Eagle3DraftModel, select_target_features
-from eagle3_hf.tree import DraftTree, rerank, tree_attention_mask, verification_mask
-from eagle3_hf.verification import greedy_accept, sample_accept
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.generation.tree import DraftTree, rerank, tree_attention_mask, verification_mask
+from eagle3_hf.generation.verification import greedy_accept, sample_accept
 
 
 @dataclass

@@ -9,7 +9,7 @@ Three checkpoint layouts exist in the wild (details in the design notes, referen
 * ``speculators``: vLLM's speculators: ``speculators_model_type`` + a nested ``transformer_layer_config``, norm
   flags, tap ids in our (input-of-layer) convention, weights under ``layers.0.*``.
 
-This module only maps dictionaries; reading and writing files lives in `eagle3_hf.convert`.
+This module only maps dictionaries; reading and writing files lives in `eagle3_hf.modeling.checkpoints`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from eagle3_hf.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 
 NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
 LAYOUTS = (NATIVE, SPECULATORS, EAGLE)

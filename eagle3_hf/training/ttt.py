@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import ModelOutput
 
-from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = [
     "TTTOutput",
@@ -196,7 +196,7 @@ def ttt_forward(
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> from eagle3_hf import Eagle3DraftModel
-    >>> from eagle3_hf.ttt import ttt_forward, ttt_loss
+    >>> from eagle3_hf.training.ttt import ttt_forward, ttt_loss
     >>> target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
     ...                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
     >>> draft = Eagle3DraftModel.from_target(target)

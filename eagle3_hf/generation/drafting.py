@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from eagle3_hf.modeling_eagle3 import Eagle3DraftModel, additive_mask
-from eagle3_hf.tree import DraftTree, expand_topk, rerank, sample_children, select_frontier
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
+from eagle3_hf.generation.tree import DraftTree, expand_topk, rerank, sample_children, select_frontier
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:

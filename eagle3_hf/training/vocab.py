@@ -277,7 +277,7 @@ def run_cli(args) -> int:
     from transformers import AutoConfig
 
     from eagle3_hf.targets import resolve_target
-    from eagle3_hf.trainer import load_tokenised_data
+    from eagle3_hf.training.trainer import load_tokenised_data
 
     try:
         _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)

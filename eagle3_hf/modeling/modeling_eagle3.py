@@ -26,10 +26,10 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eagle3_hf._compat import cache_kwargs
-from eagle3_hf._families import get_family
-from eagle3_hf.configuration_eagle3 import Eagle3DraftConfig
-from eagle3_hf.vocab import draft_to_target_ids, validate_vocab_mapping
+from eagle3_hf.modeling._compat import cache_kwargs
+from eagle3_hf.modeling.families import get_family
+from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.training.vocab import draft_to_target_ids, validate_vocab_mapping
 
 
 @dataclass
@@ -362,7 +362,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         )
 
     # ----------------------------------------------------------------------------------------------
-    # checkpoints (layout detection and conversion live in eagle3_hf.convert)
+    # checkpoints (layout detection and conversion live in eagle3_hf.modeling.checkpoints)
     @classmethod
     def from_pretrained(  # type: ignore[override]
         cls, pretrained_model_name_or_path: str, *model_args: Any, target: PreTrainedModel | None = None, **kwargs: Any
@@ -373,7 +373,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         when the checkpoint has none, and is bound to it so that `target.generate(..., assistant_model=draft)` runs
         EAGLE-3 tree decoding.
         """
-        from eagle3_hf.convert import load_draft
+        from eagle3_hf.modeling.checkpoints import load_draft
 
         return load_draft(cls, pretrained_model_name_or_path, *model_args, target=target, **kwargs)
 
@@ -408,7 +408,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
         """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""
-        from eagle3_hf.generation import bind_target
+        from eagle3_hf.generation.decoding import bind_target
 
         bind_target(self, target)
         return self

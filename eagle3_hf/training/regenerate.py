@@ -8,7 +8,7 @@ set left unanswered (a trailing question, or a prompt-only data set) is answered
 Output: ShareGPT records (``{"id", "conversations": [{"from", "value"}]}``) in ``shard_00000.jsonl``,
 ``shard_00001.jsonl``, ... Each shard is written to a hidden temporary name and renamed when complete, so a killed
 run leaves only whole shards; a new run skips every id found in them. Read the result back with
-`eagle3_hf.data.read_conversations(output_dir)`.
+`eagle3_hf.training.data.read_conversations(output_dir)`.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def regenerate_responses(
     """Regenerate the assistant turns of `conversations` with `model`; return the paths of all complete shards.
 
     Args:
-        conversations: records in any format `eagle3_hf.data.read_conversations` accepts, or its output.
+        conversations: records in any format `eagle3_hf.training.data.read_conversations` accepts, or its output.
         output_dir: folder for the shards; conversations whose id is already in a complete shard there are skipped.
         batch_size: prompts per `generate` call, left-padded; prompts of a shard are sorted by length first.
         max_new_tokens: cap on each answer; an answer that hits it is kept as it is.
@@ -282,7 +282,7 @@ def add_cli_arguments(parser) -> None:
 
 
 def run_cli(args) -> int:
-    from eagle3_hf.data import read_conversations
+    from eagle3_hf.training.data import read_conversations
     from eagle3_hf.targets import load_target, load_tokenizer
 
     limit = None if args.max_conversations is None else args.skip_conversations + args.max_conversations

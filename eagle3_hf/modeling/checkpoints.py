@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from eagle3_hf._layouts import (
+from eagle3_hf.modeling.layouts import (
     EAGLE,
     LAYOUTS,
     NATIVE,
@@ -37,7 +37,7 @@ from eagle3_hf._layouts import (
     speculators_config_dict,
     speculators_config_kwargs,
 )
-from eagle3_hf.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
+from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
 
 __all__ = [
     "LAYOUTS",
@@ -201,7 +201,7 @@ def _check_state_dict(
     if problems:
         flags = {k: getattr(config, k) for k in ("layer_type", "norm_before_fc", "fc_norm", "attention_bias")}
         raise ValueError(f"{source} does not match its config {flags}: " + " | ".join(problems) + ".")
-    from eagle3_hf.vocab import validate_vocab_mapping
+    from eagle3_hf.training.vocab import validate_vocab_mapping
 
     try:
         validate_vocab_mapping(state_dict["d2t"], state_dict["t2d"], config.vocab_size)
@@ -440,7 +440,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from eagle3_hf.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
     try:
         target = None

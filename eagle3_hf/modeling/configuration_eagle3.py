@@ -220,7 +220,7 @@ class Eagle3DraftConfig(PretrainedConfig):
 
     def layer_config(self) -> PretrainedConfig:
         """The transformers config of `layer_type` that builds the single draft layer."""
-        from eagle3_hf._families import get_family
+        from eagle3_hf.modeling.families import get_family
 
         family = get_family(self.layer_type)
         fields: dict[str, Any] = {

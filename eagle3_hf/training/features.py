@@ -38,9 +38,9 @@ from torch.utils.data import Dataset as TorchDataset
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from eagle3_hf.configuration_eagle3 import default_target_layer_ids
-from eagle3_hf.modeling_eagle3 import Eagle3DraftModel, select_target_features
-from eagle3_hf.ttt import restrict_to_draft_vocab
+from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.training.ttt import restrict_to_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def precompute_features(
     """Run `target` over tokenised rows and write the features to safetensors shards in `output_dir`.
 
     Args:
-        dataset: rows with ``input_ids`` and ``loss_mask`` (e.g. `eagle3_hf.data.build_dataset`'s output).
+        dataset: rows with ``input_ids`` and ``loss_mask`` (e.g. `eagle3_hf.training.data.build_dataset`'s output).
         layer_ids: taps as indices into ``output_hidden_states``; default ``[2, L//2, L-3]``.
         shard_size: samples per shard (the unit of resumption).
         t2d: ``[V]`` bool draft vocabulary; the logits are stored at these ids only. `None` keeps every id.
@@ -195,7 +195,7 @@ def precompute_features(
     Example:
 
     ```python
-    >>> from eagle3_hf.features import OfflineFeatureDataset, precompute_features
+    >>> from eagle3_hf.training.features import OfflineFeatureDataset, precompute_features
     >>> paths = precompute_features(target, dataset, "features/", t2d=draft.t2d)  # doctest: +SKIP
     >>> OfflineFeatureDataset("features/")[0]["target_hidden_states"].shape  # doctest: +SKIP
     torch.Size([412, 1728])
@@ -462,8 +462,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     from eagle3_hf.targets import load_target
-    from eagle3_hf.trainer import load_tokenised_data
-    from eagle3_hf.vocab import build_draft_vocab, load_draft_vocab
+    from eagle3_hf.training.trainer import load_tokenised_data
+    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab
 
     try:
         layer_ids = None
