@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from eagle3_hf.model_card import card_fields, format_rates, render_model_card
+
 METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
 
 
@@ -193,10 +195,6 @@ def environment() -> dict[str, Any]:
     }
 
 
-def format_rates(rates: list[float | None], sep: str) -> str:
-    return sep.join("n/a" if a is None else f"{a:.2f}" for a in rates)
-
-
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{'method':<16}{'tokens/s':>10}{'speedup':>9}"]
     for m, tps in report["tokens_per_s"].items():
@@ -306,8 +304,6 @@ def run_cli(args: Any) -> int:
     if args.model_card:
         if not args.draft or args.draft == "random":
             raise SystemExit("eagle3-hf bench: --model-card needs --draft FOLDER (the draft to describe).")
-        from eagle3_hf.model_card import card_fields, render_model_card
-
         shown = ("target", "draft", "num_prompts", "max_new_tokens", "dtype")
         command = "eagle3-hf bench " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown

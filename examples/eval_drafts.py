@@ -17,8 +17,8 @@ import tempfile
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.targets import load_target
-from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 
 
 def evaluate(draft_dir: str, target, dataset, ttt_length: int, batch_size: int, bf16: bool) -> dict[str, float]:

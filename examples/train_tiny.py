@@ -21,7 +21,8 @@ from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.training.features import OfflineFeatureDataset, precompute_features
+from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
+from eagle3_hf.training.features import precompute_features
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
 
 VOCAB = 64

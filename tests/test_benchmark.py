@@ -7,8 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.benchmark import acceptance_by_depth, format_rates, format_table, read_prompts, run_benchmark
-from eagle3_hf.model_card import card_fields, render_model_card
+from eagle3_hf.benchmark import acceptance_by_depth, format_table, read_prompts, run_benchmark
+from eagle3_hf.model_card import card_fields, format_rates, render_model_card
 
 
 def test_acceptance_by_depth_hand_computed():

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
-from eagle3_hf.modeling.checkpoints import add_cli_arguments, detect_layout, run_cli, save_eagle, save_speculators
+from eagle3_hf.commands.convert import add_cli_arguments, run_cli
+from eagle3_hf.modeling.layouts import detect_layout, save_eagle, save_speculators
 
 V, VD, L = 1000, 200, 8  # target vocab, draft vocab, target depth
 STRUCTURAL_FIELDS = (

@@ -13,7 +13,8 @@ import torch
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.training import features as features_module
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.training.features import OfflineFeatureDataset, estimate_feature_bytes, online_features, precompute_features
+from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
+from eagle3_hf.training.features import estimate_feature_bytes, online_features, precompute_features
 from eagle3_hf.training.trainer import Eagle3DataCollator, install_draft_vocab
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 

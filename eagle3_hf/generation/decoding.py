@@ -41,7 +41,7 @@ from eagle3_hf.generation.drafting import (
     crop_cache,
     flush_pending,
 )
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder, select_target_features
 from eagle3_hf.generation.tree import DraftTree, rerank, tree_attention_mask, verification_mask
 from eagle3_hf.generation.verification import greedy_accept, sample_accept
 
@@ -71,6 +71,7 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
 # binding
 
 
+@register_binder
 def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
     """Check `draft` fits `target`, give it the target embedding if it lacks one, route generate() to EAGLE-3."""
     if not isinstance(draft, Eagle3DraftModel):
@@ -442,54 +443,3 @@ def eagle3_decoding(
         tree_sizes=tree_sizes,
         **{generate_output_cache_field(): cache},
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# `eagle3-hf generate`
-
-
-def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
-    parser.add_argument("--draft", default=None, help='draft folder; default: the shipped draft; "random": untrained')
-    parser.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-compare", action="store_true", help="skip the plain-generate run and speedup")
-
-
-def run_cli(args: Any) -> int:
-    from eagle3_hf.hub import load_draft_for
-    from eagle3_hf.targets import load_target, load_tokenizer
-
-    torch.set_num_threads(args.threads)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    draft = load_draft_for(args.target, target, args.draft)
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"].to(target.device)
-    kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "attention_mask": torch.ones_like(ids)}
-    if args.temperature > 0:
-        kwargs.update(do_sample=True, temperature=args.temperature, top_k=0)
-    else:
-        kwargs.update(do_sample=False)
-    target.generate(ids, assistant_model=draft, **dict(kwargs, max_new_tokens=8))  # warm-up
-    start = time.perf_counter()
-    out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
-    eagle_s = time.perf_counter() - start
-    new = out.sequences[0, ids.shape[1] :]
-    print(tokenizer.decode(new, skip_special_tokens=True))
-    tau = sum(out.accept_lengths) / max(len(out.accept_lengths), 1)
-    print(f"\nEAGLE-3: {new.numel()} tokens in {eagle_s:.2f} s ({new.numel() / eagle_s:.1f} tok/s), tau {tau:.2f}")
-    if not args.no_compare:
-        start = time.perf_counter()
-        plain = type(target).generate(target, ids, **kwargs)
-        plain_s = time.perf_counter() - start
-        plain_new = plain[0, ids.shape[1] :]
-        print(f"plain:   {plain_new.numel()} tokens in {plain_s:.2f} s ({plain_new.numel() / plain_s:.1f} tok/s)")
-        print(f"speedup: {(new.numel() / eagle_s) / (plain_new.numel() / plain_s):.2f}x", end="")
-        print(", identical output" if torch.equal(plain_new, new) else ", outputs differ (sampling)")
-    return 0

@@ -1,62 +1,45 @@
-"""Load EAGLE-3 draft checkpoints in any known layout; write the official/SpecForge and speculators layouts.
+"""Load EAGLE-3 draft checkpoints in any known layout (writing them is `eagle3_hf.modeling.layouts`).
 
 `Eagle3DraftModel.from_pretrained` lands in `load_draft`, which detects the layout (native, official/SpecForge,
 speculators), maps keys and config to ours and loads strictly: a missing, unexpected or misshapen weight, an invalid
 vocabulary mapping or a truncated file raises `ValueError`. The only weight a checkpoint may lack is the token
 embedding, which the official training code never saves; the target supplies it.
-
-    eagle3-hf convert SRC DST --to {native,speculators,eagle} [--target PATH_OR_NAME] [--include-embedding]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import pickle
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
 from eagle3_hf.modeling.layouts import (
-    EAGLE,
+    CONFIG_NAME,
+    EMBED_KEY,
     LAYOUTS,
     NATIVE,
     SPECULATORS,
     detect_layout,
-    eagle_config_dict,
     eagle_config_kwargs,
     normalize_key,
-    speculators_config_dict,
     speculators_config_kwargs,
 )
-from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
 
-__all__ = [
-    "LAYOUTS",
-    "add_cli_arguments",
-    "detect_layout",
-    "load_draft",
-    "read_checkpoint",
-    "run_cli",
-    "save_eagle",
-    "save_speculators",
-]
+__all__ = ["LAYOUTS", "detect_layout", "load_draft", "read_checkpoint"]
 
-CONFIG_NAME = "config.json"
 # Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
 WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
 )  # fmt: skip
 _HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_only", "subfolder", "proxies")
-EMBED_KEY = "embed_tokens.weight"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,7 +184,7 @@ def _check_state_dict(
     if problems:
         flags = {k: getattr(config, k) for k in ("layer_type", "norm_before_fc", "fc_norm", "attention_bias")}
         raise ValueError(f"{source} does not match its config {flags}: " + " | ".join(problems) + ".")
-    from eagle3_hf.training.vocab import validate_vocab_mapping
+    from eagle3_hf.modeling.vocab_mapping import validate_vocab_mapping
 
     try:
         validate_vocab_mapping(state_dict["d2t"], state_dict["t2d"], config.vocab_size)
@@ -346,120 +329,3 @@ def load_draft(
         _take_target_embedding(draft, target, source, replace=use_target_embedding)
         draft.bind(target)
     return draft
-
-
-# ------------------------------------------------------------------------------------------------
-# writing
-
-
-def _export_tensors(draft: Any, include_embedding: bool, midlayer_prefix: str) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for key, tensor in draft.state_dict().items():
-        if key == EMBED_KEY and not include_embedding:
-            continue
-        if key.startswith("midlayer."):
-            key = midlayer_prefix + key[len("midlayer.") :]
-        tensors[key] = tensor.detach().cpu().contiguous()
-    return tensors
-
-
-def _resolve_include_embedding(draft: Any, include_embedding: bool | None) -> bool:
-    if include_embedding is None:
-        return bool(draft.embedding_loaded)
-    if include_embedding and not draft.embedding_loaded:
-        raise ValueError(
-            "include_embedding=True, but this draft has no token embedding (its checkpoint had none); load it with "
-            "target=... or call draft.load_target_embedding(target) first."
-        )
-    return bool(include_embedding)
-
-
-def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-
-
-def _dtype_name(draft: Any) -> str:
-    return str(draft.fc.weight.dtype).removeprefix("torch.")
-
-
-def save_speculators(draft: Any, out_dir: str | os.PathLike, include_embedding: bool | None = None) -> None:
-    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.0.*`` weights, safetensors).
-
-    `include_embedding` defaults to writing the embedding whenever the draft has one. Raises `ValueError` if the
-    draft's layer type is not one speculators builds (llama, qwen3).
-    """
-    include = _resolve_include_embedding(draft, include_embedding)
-    config = speculators_config_dict(draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth)
-    _write(out_dir, config, _export_tensors(draft, include, "layers.0."))
-
-
-def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool = False) -> None:
-    """Write `draft` in the official SafeAILab / SpecForge layout (``LlamaForCausalLMEagle3``, ``midlayer.*``).
-
-    Like the official training code, the embedding is left out unless `include_embedding`. Raises `ValueError` for
-    a draft the layout cannot express (norm_before_residual, norm_before_fc, norm_output, a non-Llama layer) and for
-    one whose hidden size differs from the target's without its own embedding (the target's cannot stand in).
-    """
-    include = _resolve_include_embedding(draft, include_embedding)
-    config = draft.config
-    if not include and config.hidden_size != config.target_hidden_size:
-        raise ValueError(
-            f"This draft's hidden_size={config.hidden_size} differs from target_hidden_size="
-            f"{config.target_hidden_size}, so the target's embedding cannot stand in for its own: pass "
-            "include_embedding=True."
-        )
-    out_config = eagle_config_dict(config, _dtype_name(draft), include)
-    _write(out_dir, out_config, _export_tensors(draft, include, "midlayer."))
-
-
-# ------------------------------------------------------------------------------------------------
-# command line
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="draft checkpoint: a folder or Hub id in any supported layout (detected)")
-    parser.add_argument("dst", help="output folder")
-    parser.add_argument(
-        "--to", choices=LAYOUTS, default=NATIVE,
-        help="layout to write: native (ours), speculators (vLLM speculators) or eagle (official SafeAILab/SpecForge)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--target", default=None,
-        help="target model (short name such as 'smollm2', or a folder): checks the draft against it and supplies "
-             "its embedding when the checkpoint has none",
-    )  # fmt: skip
-    parser.add_argument(
-        "--include-embedding", action="store_true",
-        help="write the token embedding; the official layout omits it otherwise (native and speculators write it "
-             "whenever it is known)",
-    )  # fmt: skip
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-
-    try:
-        target = None
-        if args.target:
-            from eagle3_hf.targets import load_target
-
-            target = load_target(args.target)
-        # dtype "auto": keep the checkpoint's dtype so that the conversion is bit for bit.
-        draft = load_draft(Eagle3DraftModel, args.src, target=target, dtype="auto")
-        include = True if args.include_embedding else None
-        if args.to == SPECULATORS:
-            save_speculators(draft, args.dst, include_embedding=include)
-        elif args.to == EAGLE:
-            save_eagle(draft, args.dst, include_embedding=bool(include))
-        else:
-            _resolve_include_embedding(draft, include)
-            draft.save_pretrained(args.dst)
-    except ValueError as err:
-        print(f"eagle3-hf convert: error: {err}", file=sys.stderr)
-        return 2
-    print(f"Wrote {args.to} draft to {args.dst}")
-    return 0

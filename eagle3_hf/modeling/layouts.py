@@ -9,13 +9,19 @@ Three checkpoint layouts exist in the wild (details in the design notes, referen
 * ``speculators``: vLLM's speculators: ``speculators_model_type`` + a nested ``transformer_layer_config``, norm
   flags, tap ids in our (input-of-layer) convention, weights under ``layers.0.*``.
 
-This module only maps dictionaries; reading and writing files lives in `eagle3_hf.modeling.checkpoints`.
+This module maps dictionaries and writes the external layouts (`save_speculators`, `save_eagle`); reading files and
+loading a draft from any layout lives in `eagle3_hf.modeling.checkpoints`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
 from typing import Any
+
+import torch
+from safetensors.torch import save_file
 
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 
@@ -30,6 +36,8 @@ SPECULATORS_VERSION = "0.4.0.1"
 # Prefixes some exports put in front of every key (a wrapper module's attribute name).
 _KEY_PREFIXES = ("draft_model.", "model.")
 _DEFAULT_ROPE_THETA = 10000.0
+CONFIG_NAME = "config.json"
+EMBED_KEY = "embed_tokens.weight"
 
 
 def normalize_key(key: str) -> str:
@@ -293,3 +301,72 @@ def speculators_config_dict(config: Eagle3DraftConfig, dtype_name: str, speculat
         },
         "torch_dtype": dtype_name,
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# writing files
+
+
+def _export_tensors(draft: Any, include_embedding: bool, midlayer_prefix: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for key, tensor in draft.state_dict().items():
+        if key == EMBED_KEY and not include_embedding:
+            continue
+        if key.startswith("midlayer."):
+            key = midlayer_prefix + key[len("midlayer.") :]
+        tensors[key] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
+def resolve_include_embedding(draft: Any, include_embedding: bool | None) -> bool:
+    """Whether to write the embedding: `None` means "if the draft has one"; True without one raises ValueError."""
+    if include_embedding is None:
+        return bool(draft.embedding_loaded)
+    if include_embedding and not draft.embedding_loaded:
+        raise ValueError(
+            "include_embedding=True, but this draft has no token embedding (its checkpoint had none); load it with "
+            "target=... or call draft.load_target_embedding(target) first."
+        )
+    return bool(include_embedding)
+
+
+def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _dtype_name(draft: Any) -> str:
+    return str(draft.fc.weight.dtype).removeprefix("torch.")
+
+
+def save_speculators(draft: Any, out_dir: str | os.PathLike, include_embedding: bool | None = None) -> None:
+    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.0.*`` weights, safetensors).
+
+    `include_embedding` defaults to writing the embedding whenever the draft has one. Raises `ValueError` if the
+    draft's layer type is not one speculators builds (llama, qwen3).
+    """
+    include = resolve_include_embedding(draft, include_embedding)
+    config = speculators_config_dict(draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth)
+    _write(out_dir, config, _export_tensors(draft, include, "layers.0."))
+
+
+def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool = False) -> None:
+    """Write `draft` in the official SafeAILab / SpecForge layout (``LlamaForCausalLMEagle3``, ``midlayer.*``).
+
+    Like the official training code, the embedding is left out unless `include_embedding`. Raises `ValueError` for
+    a draft the layout cannot express (norm_before_residual, norm_before_fc, norm_output, a non-Llama layer) and for
+    one whose hidden size differs from the target's without its own embedding (the target's cannot stand in).
+    """
+    include = resolve_include_embedding(draft, include_embedding)
+    config = draft.config
+    if not include and config.hidden_size != config.target_hidden_size:
+        raise ValueError(
+            f"This draft's hidden_size={config.hidden_size} differs from target_hidden_size="
+            f"{config.target_hidden_size}, so the target's embedding cannot stand in for its own: pass "
+            "include_embedding=True."
+        )
+    out_config = eagle_config_dict(config, _dtype_name(draft), include)
+    _write(out_dir, out_config, _export_tensors(draft, include, "midlayer."))

@@ -16,6 +16,7 @@ The attention, MLP and norms are transformers' own classes for the target family
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,23 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from eagle3_hf.modeling._compat import cache_kwargs
+from eagle3_hf.modeling.checkpoints import load_draft
 from eagle3_hf.modeling.families import get_family
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
-from eagle3_hf.training.vocab import draft_to_target_ids, validate_vocab_mapping
+from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
+from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
+
+# What `Eagle3DraftModel.bind` runs. The decoding loop lives above this package, so it registers itself here when
+# `eagle3_hf.generation` is imported (which `import eagle3_hf` does); the model never imports generation.
+_BINDERS: dict[str, Callable[[Any, PreTrainedModel], None]] = {}
+
+
+def register_binder(binder: Callable[[Any, PreTrainedModel], None]) -> Callable[[Any, PreTrainedModel], None]:
+    """Make `binder(draft, target)` what `Eagle3DraftModel.bind` runs; returns it (usable as a decorator)."""
+    _BINDERS["bind"] = binder
+    return binder
 
 
 @dataclass
@@ -57,74 +69,6 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """The draft's single decoder layer, built from the target family's transformers classes."""
-
-    def __init__(self, config: Eagle3DraftConfig) -> None:
-        super().__init__()
-        family = get_family(config.layer_type)
-        layer_config = config.layer_config()
-        hidden = config.hidden_size
-        self.norm_before_residual = config.norm_before_residual
-        self.self_attn = family.attention_class(layer_config, layer_idx=0)
-        # EAGLE-3 widens q/k/v to read [normed embedding | normed hidden] (2H wide).
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(self.self_attn, name)
-            setattr(self.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
-        self.mlp = family.mlp_class(layer_config)
-        norm = family.norm_class
-        self.input_layernorm = norm(hidden, eps=config.rms_norm_eps)
-        self.hidden_norm = norm(hidden, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = norm(hidden, eps=config.rms_norm_eps)
-
-    def layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (attention input `[B, S, 2H]`, residual `[B, S, H]`)."""
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
-
-    def finish(self, residual: torch.Tensor, attn_output: torch.Tensor) -> torch.Tensor:
-        """Residual add after attention, then the MLP block."""
-        hidden = residual + attn_output
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-    def qkv(
-        self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projected, normed (q/k norms where the family has them) and rotated q, k, v `[B, heads, S, d]`.
-
-        The same computation the family's attention class does before its attention kernel; the
-        training-time-test loop uses it to attend with its own cheap mask structure.
-        """
-        attn = self.self_attn
-        shape = (*x.shape[:-1], -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape)
-        k = attn.k_proj(x).view(shape)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v
-
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None = None,
-    ) -> torch.Tensor:
-        x, residual = self.layer_input(embeds, hidden)
-        attn_output, _ = self.self_attn(
-            hidden_states=x,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            **cache_kwargs(cache),
-        )
-        return self.finish(residual, attn_output)
 
 
 class Eagle3PreTrainedModel(PreTrainedModel):
@@ -362,7 +306,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         )
 
     # ----------------------------------------------------------------------------------------------
-    # checkpoints (layout detection and conversion live in eagle3_hf.modeling.checkpoints)
+    # checkpoints (layout detection and loading live in eagle3_hf.modeling.checkpoints)
     @classmethod
     def from_pretrained(  # type: ignore[override]
         cls, pretrained_model_name_or_path: str, *model_args: Any, target: PreTrainedModel | None = None, **kwargs: Any
@@ -373,8 +317,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         when the checkpoint has none, and is bound to it so that `target.generate(..., assistant_model=draft)` runs
         EAGLE-3 tree decoding.
         """
-        from eagle3_hf.modeling.checkpoints import load_draft
-
         return load_draft(cls, pretrained_model_name_or_path, *model_args, target=target, **kwargs)
 
     def save_pretrained(  # type: ignore[override]
@@ -408,9 +350,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
         """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""
-        from eagle3_hf.generation.decoding import bind_target
-
-        bind_target(self, target)
+        binder = _BINDERS.get("bind")
+        if binder is None:
+            raise RuntimeError(
+                "No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation (`import eagle3_hf` does)."
+            )
+        binder(self, target)
         return self
 
 

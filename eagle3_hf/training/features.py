@@ -18,23 +18,18 @@ an interrupted run resumes at the first missing shard.
 
 from __future__ import annotations
 
-import argparse
-import bisect
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from datasets import Dataset
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch.utils.data import Dataset as TorchDataset
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -46,10 +41,10 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "features.json"
 VOCAB_NAME = "draft_vocab.safetensors"
-_FORMAT = "eagle3_hf.features/1"
+FEATURES_FORMAT = "eagle3_hf.features/1"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-__all__ = ["OfflineFeatureDataset", "estimate_feature_bytes", "online_features", "precompute_features"]
+__all__ = ["estimate_feature_bytes", "online_features", "precompute_features"]
 
 
 def _base_draft(draft: Any) -> Eagle3DraftModel:
@@ -164,7 +159,7 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(temporary, path)
 
 
-def _shard_path(folder: str, index: int) -> str:
+def shard_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"shard_{index:05d}.safetensors")
 
 
@@ -195,7 +190,8 @@ def precompute_features(
     Example:
 
     ```python
-    >>> from eagle3_hf.training.features import OfflineFeatureDataset, precompute_features
+    >>> from eagle3_hf.training.features import precompute_features
+    >>> from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
     >>> paths = precompute_features(target, dataset, "features/", t2d=draft.t2d)  # doctest: +SKIP
     >>> OfflineFeatureDataset("features/")[0]["target_hidden_states"].shape  # doctest: +SKIP
     torch.Size([412, 1728])
@@ -224,7 +220,7 @@ def precompute_features(
     digest.update(t2d.numpy().tobytes())
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
     manifest = {
-        "format": _FORMAT,
+        "format": FEATURES_FORMAT,
         "num_samples": len(rows),
         "num_tokens": sum(lengths),
         "shard_size": shard_size,
@@ -252,7 +248,7 @@ def precompute_features(
         raise ValueError(f"{output_dir!r} holds shards but no {MANIFEST_NAME}; use an empty folder.")
 
     spans = [(k * shard_size, min((k + 1) * shard_size, len(rows))) for k in range(manifest["num_shards"])]
-    pending = [k for k in range(len(spans)) if not os.path.isfile(_shard_path(output_dir, k))]
+    pending = [k for k in range(len(spans)) if not os.path.isfile(shard_path(output_dir, k))]
     pending_tokens = sum(sum(lengths[slice(*spans[k])]) for k in pending)
     pending_samples = sum(spans[k][1] - spans[k][0] for k in pending)
     total = estimate_feature_bytes(manifest["num_tokens"], hidden, manifest["draft_vocab_size"], dtype, len(rows))
@@ -289,7 +285,7 @@ def precompute_features(
         _write_shards(target, rows, spans, pending, output_dir, taps, t2d_device, dtype, batch_size, device)
     finally:
         target.train(was_training)
-    return [_shard_path(output_dir, k) for k in range(len(spans))]
+    return [shard_path(output_dir, k) for k in range(len(spans))]
 
 
 def _write_shards(
@@ -336,160 +332,4 @@ def _write_shards(
             }
             temporary = os.path.join(output_dir, f".shard_{k:05d}.tmp")
             save_file(tensors, temporary, metadata={"first_sample": str(spans[k][0]), "num_samples": str(len(lengths))})
-            os.replace(temporary, _shard_path(output_dir, k))  # atomic: a shard exists whole or not at all
-
-
-class _FeatureFolder:
-    """One folder written by `precompute_features`: its manifest, draft vocabulary and row offsets per shard."""
-
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = os.fspath(folder)
-        path = os.path.join(self.folder, MANIFEST_NAME)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{self.folder!r} holds no {MANIFEST_NAME}: it is not a folder written by precompute_features."
-            )
-        with open(path, encoding="utf-8") as f:
-            self.manifest = json.load(f)
-        if self.manifest.get("format") != _FORMAT:
-            raise ValueError(f"{path} has format {self.manifest.get('format')!r}, expected {_FORMAT!r}.")
-        missing = [k for k in range(self.manifest["num_shards"]) if not os.path.isfile(_shard_path(self.folder, k))]
-        if missing:
-            raise ValueError(
-                f"{self.folder!r} is incomplete: {len(missing)} of {self.manifest['num_shards']} shards are missing "
-                f"(first: {os.path.basename(_shard_path(self.folder, missing[0]))}); rerun the same precompute to "
-                "finish it."
-            )
-        vocab = load_file(os.path.join(self.folder, VOCAB_NAME))
-        self.t2d, self.d2t = vocab["t2d"], vocab["d2t"]
-        self.offsets: dict[int, list[int]] = {}
-
-    def row(self, index: int) -> dict[str, torch.Tensor]:
-        shard, local = divmod(index, int(self.manifest["shard_size"]))
-        with safe_open(_shard_path(self.folder, shard), framework="pt") as f:
-            if shard not in self.offsets:
-                self.offsets[shard] = f.get_tensor("offsets").tolist()
-            start, end = self.offsets[shard][local], self.offsets[shard][local + 1]
-            return {key: f.get_slice(key)[start:end] for key in ("input_ids", "loss_mask", "features", "logits")}
-
-
-# Manifest entries that must agree for folders to be read as one data set.
-_JOINABLE_KEYS = ("layer_ids", "target_hidden_size", "vocab_size", "draft_vocab_size")
-
-
-class OfflineFeatureDataset(TorchDataset):
-    """Rows of one or more folders written by `precompute_features`, as tensors ready for `Eagle3DataCollator`.
-
-    Each row holds ``input_ids`` ``[S]``, ``attention_mask`` ``[S]``, ``loss_mask`` ``[S]``, ``target_hidden_states``
-    ``[S, 3*Ht]`` and ``target_logits`` ``[S, Vd]`` (in the stored dtype). Several folders (say, features of new data
-    added next to older ones) are joined in the order given; they must tap the same layers and be restricted to the
-    same draft vocabulary. Attributes: ``folders``, ``folder`` (their names joined, for messages), ``manifest`` (the
-    first folder's), ``layer_ids``, ``t2d``, ``d2t`` (the draft vocabulary the logits were restricted to).
-
-    Example:
-
-    ```python
-    >>> data = OfflineFeatureDataset(["features/", "features_more/"])  # doctest: +SKIP
-    >>> draft.set_draft_vocab(data.d2t, data.t2d)  # doctest: +SKIP
-    ```
-    """
-
-    def __init__(self, folder: str | os.PathLike | Iterable[str | os.PathLike]) -> None:
-        names = [folder] if isinstance(folder, (str, os.PathLike)) else list(folder)
-        if not names:
-            raise ValueError("OfflineFeatureDataset needs at least one features folder, got none.")
-        self._parts = [_FeatureFolder(name) for name in names]
-        first = self._parts[0]
-        for part in self._parts[1:]:
-            differ = [k for k in _JOINABLE_KEYS if part.manifest.get(k) != first.manifest.get(k)]
-            if differ or not torch.equal(part.t2d, first.t2d):
-                what = ", ".join(f"{k} {first.manifest.get(k)!r} vs {part.manifest.get(k)!r}" for k in differ)
-                raise ValueError(
-                    f"The features in {part.folder!r} cannot be joined to those in {first.folder!r}: "
-                    f"{what or 'they were restricted to different draft vocabularies (t2d)'}."
-                )
-        self.folders = [part.folder for part in self._parts]
-        self.folder = ", ".join(self.folders)
-        self.manifest = first.manifest
-        self.t2d, self.d2t = first.t2d, first.d2t
-        self.layer_ids: list[int] = list(first.manifest["layer_ids"])
-        self._starts = [0]  # index of each folder's first row in the joined data set
-        for part in self._parts:
-            self._starts.append(self._starts[-1] + int(part.manifest["num_samples"]))
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"index {index} is out of range for {len(self)} samples.")
-        index %= len(self)
-        k = bisect.bisect_right(self._starts, index) - 1
-        row = self._parts[k].row(index - self._starts[k])
-        return {
-            "input_ids": row["input_ids"].long(),
-            "attention_mask": torch.ones(row["input_ids"].shape[0], dtype=torch.long),
-            "loss_mask": row["loss_mask"].long(),
-            "target_hidden_states": row["features"],
-            "target_logits": row["logits"],
-        }
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# command line: eagle3-hf features
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
-    parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
-    vocab = parser.add_mutually_exclusive_group()
-    vocab.add_argument("--draft-vocab-size", type=int, default=None, help="build a draft vocabulary of this size")
-    vocab.add_argument("--vocab", default=None, help="draft vocabulary: a file written by `eagle3-hf vocab`, or a "
-                       "saved draft folder (to continue that draft with `train --init-draft`)")
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--max-conversations", type=int, default=None)
-    parser.add_argument("--shard-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--layer-ids", default=None, help="three comma-separated output_hidden_states indices "
-                        "(default 2,L//2,L-3)")  # fmt: skip
-    parser.add_argument("--storage-dtype", default="bfloat16", choices=list(_DTYPES), help="dtype on disk")
-    parser.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="dtype the target runs in")
-    parser.add_argument("--device", default="cpu")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    from eagle3_hf.targets import load_target
-    from eagle3_hf.training.trainer import load_tokenised_data
-    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab
-
-    try:
-        layer_ids = None
-        if args.layer_ids:
-            try:
-                layer_ids = [int(i) for i in args.layer_ids.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
-                ) from None
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-        target = load_target(args.target, dtype=_DTYPES[args.dtype], device=args.device)
-        t2d = None
-        if args.vocab:
-            t2d = load_draft_vocab(args.vocab).t2d
-        elif args.draft_vocab_size:
-            vocab = build_draft_vocab(dataset, target.config.get_text_config().vocab_size, args.draft_vocab_size)
-            print(f"Draft vocabulary: {args.draft_vocab_size} ids covering {100 * vocab.coverage:.2f}% of "
-                  "supervised tokens.")  # fmt: skip
-            t2d = vocab.t2d
-        shards = precompute_features(
-            target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, t2d=t2d,
-            dtype=_DTYPES[args.storage_dtype], batch_size=args.batch_size,
-        )  # fmt: skip
-    except ValueError as err:
-        print(f"eagle3-hf features: error: {err}", file=sys.stderr)
-        return 2
-    print(f"{len(shards)} shards in {args.output}")
-    return 0
+            os.replace(temporary, shard_path(output_dir, k))  # atomic: a shard exists whole or not at all

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .data import as_conversations
+from eagle3_hf.training.data import as_conversations, read_conversations
 
 logger = logging.getLogger(__name__)
 
@@ -263,39 +263,13 @@ def _first_rounds(messages: list[dict], rounds: int) -> list[dict]:
     return kept
 
 
-def add_cli_arguments(parser) -> None:
-    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
-    parser.add_argument("--data", required=True, help="conversations: ShareGPT/messages/Alpaca JSON or JSONL")
-    parser.add_argument("--output", required=True, help="folder for the regenerated JSONL shards (resumable)")
-    parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many conversations")
-    parser.add_argument("--skip-conversations", type=int, default=0, help="skip this many conversations first")
-    parser.add_argument("--max-rounds", type=int, default=None, help="keep only the first N user turns of each")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--max-prompt-length", type=int, default=2048)
-    parser.add_argument("--shard-size", type=int, default=256)
-    parser.add_argument("--do-sample", action="store_true", help="sample answers instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def run_cli(args) -> int:
-    from eagle3_hf.training.data import read_conversations
-    from eagle3_hf.targets import load_target, load_tokenizer
-
-    limit = None if args.max_conversations is None else args.skip_conversations + args.max_conversations
+def select_conversations(
+    data: str, skip: int = 0, max_conversations: int | None = None, max_rounds: int | None = None
+) -> list[dict]:
+    """Read the conversations to regenerate: skip the first `skip`, keep `max_conversations`, cut to `max_rounds`."""
+    limit = None if max_conversations is None else skip + max_conversations
     # Give repeated ids their `#k` suffixes before slicing, so that runs split by --skip-conversations agree.
-    conversations = _unique_ids(read_conversations(args.data, limit=limit))[args.skip_conversations :]
-    if args.max_rounds is not None:
-        conversations = [dict(c, messages=_first_rounds(c["messages"], args.max_rounds)) for c in conversations]
-    model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    shards = regenerate_responses(
-        model, tokenizer, conversations, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample, temperature=args.temperature, shard_size=args.shard_size,
-        max_prompt_length=args.max_prompt_length, seed=args.seed,
-    )
-    print(f"{len(shards)} shards in {args.output}")
-    return 0
+    conversations = _unique_ids(read_conversations(data, limit=limit))[skip:]
+    if max_rounds is not None:
+        conversations = [dict(c, messages=_first_rounds(c["messages"], max_rounds)) for c in conversations]
+    return conversations

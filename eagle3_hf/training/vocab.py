@@ -18,6 +18,8 @@ from datasets import Dataset
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
+
 __all__ = [
     "DraftVocab",
     "build_draft_vocab",
@@ -157,48 +159,6 @@ def build_draft_vocab(
     )
 
 
-def draft_to_target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """Map draft ids (any shape, values in ``[0, Vd)``) to target ids: ``draft_ids + d2t[draft_ids]``.
-
-    No range check, so that it costs no device sync inside decoding loops; `validate_vocab_mapping` checks `d2t`.
-    """
-    return draft_ids + d2t.to(draft_ids.device)[draft_ids]
-
-
-def validate_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, target_vocab_size: int) -> None:
-    """Raise `ValueError` unless `d2t` and `t2d` describe the same strictly increasing set of ids in ``[0, V)``."""
-    if d2t.ndim != 1 or d2t.is_floating_point() or d2t.dtype == torch.bool or d2t.numel() == 0:
-        raise ValueError(f"d2t must be a non-empty 1-D integer tensor, got shape {tuple(d2t.shape)} dtype {d2t.dtype}.")
-    if t2d.shape != (target_vocab_size,) or t2d.dtype != torch.bool:
-        raise ValueError(
-            f"t2d must be a bool tensor of shape ({target_vocab_size},), "
-            f"got shape {tuple(t2d.shape)} dtype {t2d.dtype}."
-        )
-    d2t, t2d = d2t.cpu().to(torch.int64), t2d.cpu()
-    mapped = torch.arange(d2t.numel()) + d2t
-    outside = ((mapped < 0) | (mapped >= target_vocab_size)).nonzero()
-    if outside.numel():
-        i = int(outside[0])
-        raise ValueError(f"d2t maps draft id {i} to target id {int(mapped[i])}, outside [0, {target_vocab_size}).")
-    not_increasing = (mapped[1:] <= mapped[:-1]).nonzero()
-    if not_increasing.numel():
-        i = int(not_increasing[0]) + 1
-        raise ValueError(
-            f"d2t must map to strictly increasing target ids, but draft id {i} maps to {int(mapped[i])} after "
-            f"{int(mapped[i - 1])}."
-        )
-    missing = (~t2d[mapped]).nonzero()
-    if missing.numel():
-        i = int(missing[0])
-        raise ValueError(f"d2t maps draft id {i} to target id {int(mapped[i])}, but t2d is False there.")
-    if int(t2d.sum()) != d2t.numel():
-        extra = int((t2d & ~torch.isin(torch.arange(target_vocab_size), mapped)).nonzero()[0])
-        raise ValueError(
-            f"t2d marks {int(t2d.sum())} ids but d2t has {d2t.numel()}; target id {extra} is in t2d but no draft "
-            "id maps to it."
-        )
-
-
 def save_draft_vocab(path: str | os.PathLike, vocab: DraftVocab) -> None:
     """Write `vocab` to a safetensors file (tensors ``d2t``, ``t2d``, ``counts``; the rest as metadata)."""
     validate_vocab_mapping(vocab.d2t, vocab.t2d, vocab.target_vocab_size)
@@ -254,44 +214,3 @@ def _vocab_of_draft_folder(folder: str) -> DraftVocab:
         d2t=d2t, t2d=t2d, counts=torch.zeros(t2d.numel(), dtype=torch.long), coverage=float("nan"),
         num_seen=0, num_padded=0,
     )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# command line: eagle3-hf vocab
-# ------------------------------------------------------------------------------------------------------------------
-
-
-def add_cli_arguments(parser) -> None:
-    parser.add_argument("--target", required=True, help='target (tokenizer and vocabulary): a folder, .gguf, "smollm2"')
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
-    parser.add_argument("--output", required=True, help="safetensors file to write (d2t, t2d, counts)")
-    parser.add_argument("--draft-vocab-size", type=int, required=True)
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--max-conversations", type=int, default=None)
-
-
-def run_cli(args) -> int:
-    import sys
-
-    from transformers import AutoConfig
-
-    from eagle3_hf.targets import resolve_target
-    from eagle3_hf.training.trainer import load_tokenised_data
-
-    try:
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-        # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
-        directory, gguf_file = resolve_target(args.target)
-        config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
-        vocab = build_draft_vocab(dataset, config.get_text_config().vocab_size, args.draft_vocab_size)
-        save_draft_vocab(args.output, vocab)
-    except ValueError as err:
-        print(f"eagle3-hf vocab: error: {err}", file=sys.stderr)
-        return 2
-    print(
-        f"Draft vocabulary of {vocab.draft_vocab_size} ids written to {args.output}: it covers "
-        f"{100 * vocab.coverage:.2f}% "
-        f"of supervised tokens ({vocab.num_seen} distinct ids seen, {vocab.num_padded} padded)."
-    )
-    return 0

@@ -1,0 +1,41 @@
+"""`eagle3-hf regenerate`: re-answer the training prompts with the target (`eagle3_hf.training.regenerate`)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.regenerate import regenerate_responses, select_conversations
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
+    parser.add_argument("--data", required=True, help="conversations: ShareGPT/messages/Alpaca JSON or JSONL")
+    parser.add_argument("--output", required=True, help="folder for the regenerated JSONL shards (resumable)")
+    parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many conversations")
+    parser.add_argument("--skip-conversations", type=int, default=0, help="skip this many conversations first")
+    parser.add_argument("--max-rounds", type=int, default=None, help="keep only the first N user turns of each")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-prompt-length", type=int, default=2048)
+    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--do-sample", action="store_true", help="sample answers instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    conversations = select_conversations(args.data, args.skip_conversations, args.max_conversations, args.max_rounds)
+    model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    tokenizer = load_tokenizer(args.target)
+    shards = regenerate_responses(
+        model, tokenizer, conversations, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample, temperature=args.temperature, shard_size=args.shard_size,
+        max_prompt_length=args.max_prompt_length, seed=args.seed,
+    )
+    print(f"{len(shards)} shards in {args.output}")
+    return 0

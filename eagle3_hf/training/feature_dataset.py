@@ -1,0 +1,118 @@
+"""Reading precomputed target features back: the offline training data set over `precompute_features` folders.
+
+The folder layout (manifest, draft vocabulary, atomically written shards) is described in
+`eagle3_hf.training.features`, which writes it; a folder is read only when its manifest names that format and every
+shard is present, and several folders are joined only when they tap the same layers and draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.utils.data import Dataset as TorchDataset
+
+from eagle3_hf.training.features import FEATURES_FORMAT, MANIFEST_NAME, VOCAB_NAME, shard_path
+
+__all__ = ["OfflineFeatureDataset"]
+
+
+class _FeatureFolder:
+    """One folder written by `precompute_features`: its manifest, draft vocabulary and row offsets per shard."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = os.fspath(folder)
+        path = os.path.join(self.folder, MANIFEST_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{self.folder!r} holds no {MANIFEST_NAME}: it is not a folder written by precompute_features."
+            )
+        with open(path, encoding="utf-8") as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format") != FEATURES_FORMAT:
+            raise ValueError(f"{path} has format {self.manifest.get('format')!r}, expected {FEATURES_FORMAT!r}.")
+        missing = [k for k in range(self.manifest["num_shards"]) if not os.path.isfile(shard_path(self.folder, k))]
+        if missing:
+            raise ValueError(
+                f"{self.folder!r} is incomplete: {len(missing)} of {self.manifest['num_shards']} shards are missing "
+                f"(first: {os.path.basename(shard_path(self.folder, missing[0]))}); rerun the same precompute to "
+                "finish it."
+            )
+        vocab = load_file(os.path.join(self.folder, VOCAB_NAME))
+        self.t2d, self.d2t = vocab["t2d"], vocab["d2t"]
+        self.offsets: dict[int, list[int]] = {}
+
+    def row(self, index: int) -> dict[str, torch.Tensor]:
+        shard, local = divmod(index, int(self.manifest["shard_size"]))
+        with safe_open(shard_path(self.folder, shard), framework="pt") as f:
+            if shard not in self.offsets:
+                self.offsets[shard] = f.get_tensor("offsets").tolist()
+            start, end = self.offsets[shard][local], self.offsets[shard][local + 1]
+            return {key: f.get_slice(key)[start:end] for key in ("input_ids", "loss_mask", "features", "logits")}
+
+
+# Manifest entries that must agree for folders to be read as one data set.
+_JOINABLE_KEYS = ("layer_ids", "target_hidden_size", "vocab_size", "draft_vocab_size")
+
+
+class OfflineFeatureDataset(TorchDataset):
+    """Rows of one or more folders written by `precompute_features`, as tensors ready for `Eagle3DataCollator`.
+
+    Each row holds ``input_ids`` ``[S]``, ``attention_mask`` ``[S]``, ``loss_mask`` ``[S]``, ``target_hidden_states``
+    ``[S, 3*Ht]`` and ``target_logits`` ``[S, Vd]`` (in the stored dtype). Several folders (say, features of new data
+    added next to older ones) are joined in the order given; they must tap the same layers and be restricted to the
+    same draft vocabulary. Attributes: ``folders``, ``folder`` (their names joined, for messages), ``manifest`` (the
+    first folder's), ``layer_ids``, ``t2d``, ``d2t`` (the draft vocabulary the logits were restricted to).
+
+    Example:
+
+    ```python
+    >>> data = OfflineFeatureDataset(["features/", "features_more/"])  # doctest: +SKIP
+    >>> draft.set_draft_vocab(data.d2t, data.t2d)  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, folder: str | os.PathLike | Iterable[str | os.PathLike]) -> None:
+        names = [folder] if isinstance(folder, (str, os.PathLike)) else list(folder)
+        if not names:
+            raise ValueError("OfflineFeatureDataset needs at least one features folder, got none.")
+        self._parts = [_FeatureFolder(name) for name in names]
+        first = self._parts[0]
+        for part in self._parts[1:]:
+            differ = [k for k in _JOINABLE_KEYS if part.manifest.get(k) != first.manifest.get(k)]
+            if differ or not torch.equal(part.t2d, first.t2d):
+                what = ", ".join(f"{k} {first.manifest.get(k)!r} vs {part.manifest.get(k)!r}" for k in differ)
+                raise ValueError(
+                    f"The features in {part.folder!r} cannot be joined to those in {first.folder!r}: "
+                    f"{what or 'they were restricted to different draft vocabularies (t2d)'}."
+                )
+        self.folders = [part.folder for part in self._parts]
+        self.folder = ", ".join(self.folders)
+        self.manifest = first.manifest
+        self.t2d, self.d2t = first.t2d, first.d2t
+        self.layer_ids: list[int] = list(first.manifest["layer_ids"])
+        self._starts = [0]  # index of each folder's first row in the joined data set
+        for part in self._parts:
+            self._starts.append(self._starts[-1] + int(part.manifest["num_samples"]))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} samples.")
+        index %= len(self)
+        k = bisect.bisect_right(self._starts, index) - 1
+        row = self._parts[k].row(index - self._starts[k])
+        return {
+            "input_ids": row["input_ids"].long(),
+            "attention_mask": torch.ones(row["input_ids"].shape[0], dtype=torch.long),
+            "loss_mask": row["loss_mask"].long(),
+            "target_hidden_states": row["features"],
+            "target_logits": row["logits"],
+        }

@@ -1,0 +1,31 @@
+"""Conversations -> tokenised training rows: the first step every training command shares (vocab, features, train).
+
+Reads one source or several and renders them with the target's chat template (`eagle3_hf.training.data`); the
+tokenizer is passed in, so that loading it by target name stays with target loading, on top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from datasets import Dataset
+
+from eagle3_hf.training.data import DataStats, build_dataset, read_conversations
+
+
+def tokenise_data(
+    tokenizer: Any, data: str | list[str], max_length: int, max_conversations: int | None = None
+) -> tuple[Dataset, DataStats]:
+    """Read conversations from one source or several (taken in the order given, then cut to `max_conversations`),
+    render them with `tokenizer`'s chat template; return (dataset, DataStats)."""
+    conversations: list[dict] = []
+    for source in [data] if isinstance(data, str) else data:
+        left = None if max_conversations is None else max_conversations - len(conversations)
+        conversations += read_conversations(source, limit=left)
+    dataset, stats = build_dataset(conversations, tokenizer, max_length)
+    print(
+        f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} tokens, "
+        f"{stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
+        f"{stats.truncated} truncated to {max_length})."
+    )
+    return dataset, stats

@@ -1,0 +1,193 @@
+"""The package layout: imports flow down, from the top level to `generation`/`training` to `modeling`, never back.
+
+Every module under `eagle3_hf/` is read with `ast` (imports inside functions and relative imports included), so a
+lazy import that reaches up counts as much as one at the top of a file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "eagle3_hf"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+LAYERS = ("modeling", "generation", "training")
+MAX_LINES = 420  # "about 400"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+
+
+def resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The module of ours that `name` (a module or a name inside one) refers to, or None if it is not ours."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Modules of ours that `module` imports, anywhere in its file."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            # `from pkg import sub` imports the submodule `pkg.sub` when there is one, else a name of `pkg`.
+            names = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in known else prefix for alias in node.names]
+        else:
+            continue
+        for name in names:
+            target = resolve(name, known)
+            # A module's own parent packages are not dependencies, except the package root (which imports the rest).
+            if target is not None and target != module and (target == PACKAGE or not module.startswith(target + ".")):
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {module: imports_of(module, path, known) for module, path in known.items()}
+
+
+def layer(module: str) -> str:
+    """`modeling`, `generation`, `training`, the package root `__init__`, or `top` for everything else."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    return parts[1] if parts[1] in LAYERS else "top"
+
+
+# Which layers each layer may import (besides itself). The package root (`eagle3_hf/__init__.py`) re-exports the
+# model and imports generation so that `bind` is registered; so only the top level may import the root.
+ALLOWED = {
+    "modeling": set(),
+    "generation": {"modeling"},
+    "training": {"modeling"},
+    "top": {"modeling", "generation", "training", "root"},
+    "root": {"modeling", "generation"},
+}
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in graph.items():
+        for target in targets:
+            src, dst = layer(module), layer(target)
+            if src != dst and dst not in ALLOWED[src]:
+                bad.append(f"{module} -> {target} ({src} may import only {sorted(ALLOWED[src]) or 'itself'})")
+    return sorted(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_every_module_and_lazy_imports():
+    graph = import_graph()
+    assert {f"{PACKAGE}.{name}" for name in LAYERS} <= set(graph)
+    assert "eagle3_hf.modeling.modeling_eagle3" in graph["eagle3_hf.generation.decoding"]
+    # Imports inside functions count (benchmark loads targets and drafts lazily).
+    assert "eagle3_hf.targets" in graph["eagle3_hf.benchmark"]
+
+
+def test_no_import_flows_up():
+    bad = upward_edges(import_graph())
+    assert not bad, "imports that flow up:\n  " + "\n  ".join(bad)
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n  " + "\n  ".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize(
+    "edge",
+    [
+        ("eagle3_hf.modeling.modeling_eagle3", "eagle3_hf.generation.decoding"),
+        ("eagle3_hf.modeling.checkpoints", "eagle3_hf.targets"),
+        ("eagle3_hf.generation.decoding", "eagle3_hf.training.trainer"),
+        ("eagle3_hf.training.features", "eagle3_hf.generation.tree"),
+        ("eagle3_hf.training.features", "eagle3_hf.targets"),
+        ("eagle3_hf.generation.drafting", "eagle3_hf.hub"),
+    ],
+)
+def test_an_upward_edge_is_reported_by_name(edge):
+    graph = import_graph()
+    graph[edge[0]] = graph[edge[0]] | {edge[1]}
+    assert any(line.startswith(f"{edge[0]} -> {edge[1]} ") for line in upward_edges(graph))
+
+
+def test_a_cycle_is_reported():
+    graph = import_graph()
+    graph["eagle3_hf.generation.tree"] = graph["eagle3_hf.generation.tree"] | {"eagle3_hf.generation.decoding"}
+    assert any("eagle3_hf.generation.tree" in c and "eagle3_hf.generation.decoding" in c for c in cycles(graph))
+
+
+def test_relative_and_in_function_imports_are_read(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py"):
+        (package / name).write_text("")
+    (package / "sub" / "b.py").write_text("def f():\n    from ..a import x\n    from . import c\n")
+    known = {"pkg": package, "pkg.a": package / "a.py", "pkg.sub": package / "sub", "pkg.sub.b": package / "sub/b.py"}
+    assert imports_of("pkg.sub.b", package / "sub" / "b.py", known) == {"pkg.a"}
+
+
+def test_modules_stay_short():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_modules_say_what_they_are():
+    undocumented = [name for name, path in modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert not undocumented, f"modules without a docstring: {undocumented}"
