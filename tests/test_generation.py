@@ -41,7 +41,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
 from eagle3_hf.modeling._compat import CACHE_KWARG
-from eagle3_hf.generation.decoding import Eagle3GenerateOutput, _process_tree_scores
+from eagle3_hf.generation.decoding import Eagle3GenerateOutput
+from eagle3_hf.generation.steps import _process_tree_scores
 from eagle3_hf.hub import load_draft_for
 from eagle3_hf.targets import SMOLLM2, load_target
 from eagle3_hf.generation.tree import DraftTree
