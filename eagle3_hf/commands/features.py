@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-import torch
-
-from eagle3_hf.targets import load_target, load_tokenised_data
-from eagle3_hf.training.features import precompute_features
-from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab
+from eagle3_hf.commands import say
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -35,31 +30,36 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        layer_ids = None
-        if args.layer_ids:
-            try:
-                layer_ids = [int(i) for i in args.layer_ids.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
-                ) from None
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-        target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-        t2d = None
-        if args.vocab:
-            t2d = load_draft_vocab(args.vocab).t2d
-        elif args.draft_vocab_size:
-            vocab = build_draft_vocab(dataset, target.config.get_text_config().vocab_size, args.draft_vocab_size)
-            print(f"Draft vocabulary: {args.draft_vocab_size} ids covering {100 * vocab.coverage:.2f}% of "
-                  "supervised tokens.")  # fmt: skip
-            t2d = vocab.t2d
-        shards = precompute_features(
-            target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, t2d=t2d,
-            dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,
-        )  # fmt: skip
-    except ValueError as err:
-        print(f"eagle3-hf features: error: {err}", file=sys.stderr)
-        return 2
-    print(f"{len(shards)} shards in {args.output}")
+    if args.max_length < 3:
+        raise ValueError(f"--max-length must be >= 3 (the draft predicts tokens two ahead), got {args.max_length}.")
+    import torch
+
+    from eagle3_hf.targets import check_device, load_target, load_tokenised_data
+    from eagle3_hf.training.features import precompute_features
+    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab
+
+    check_device(args.device)
+    layer_ids = None
+    if args.layer_ids:
+        try:
+            layer_ids = [int(i) for i in args.layer_ids.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
+            ) from None
+    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    t2d = None
+    if args.vocab:
+        t2d = load_draft_vocab(args.vocab).t2d
+    elif args.draft_vocab_size:
+        vocab = build_draft_vocab(dataset, target.config.get_text_config().vocab_size, args.draft_vocab_size)
+        say(f"Draft vocabulary: {args.draft_vocab_size} ids covering {100 * vocab.coverage:.2f}% of "
+            "supervised tokens.")  # fmt: skip
+        t2d = vocab.t2d
+    shards = precompute_features(
+        target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, t2d=t2d,
+        dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,
+    )  # fmt: skip
+    say(f"{len(shards)} shards in {args.output}")
     return 0

@@ -23,6 +23,7 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from eagle3_hf.training.arguments import Eagle3TrainingOptions
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.features import _base_draft, online_features
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
@@ -43,41 +44,19 @@ __all__ = [
 
 
 @dataclass
-class Eagle3TrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus the EAGLE-3 settings.
-
-    Args:
-        ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
-        ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
-        feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
-            ``target_hidden_states`` / ``target_logits``, e.g. from `OfflineFeatureDataset`).
-        draft_vocab_size: expected size of the draft head; checked against the draft when given.
-        max_length: longer rows are cut by the default collator.
-        build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
-            ``0..Vd-1``), build it from the training data's supervised tokens before training.
+class Eagle3TrainingArguments(Eagle3TrainingOptions, TrainingArguments):
+    """`TrainingArguments` plus the EAGLE-3 settings of `Eagle3TrainingOptions` (``ttt_length``, ``ttt_decay``,
+    ``feature_mode``, ``draft_vocab_size``, ``max_length``, ``build_draft_vocab``).
 
     `remove_unused_columns` defaults to False (the batches carry ``loss_mask`` and features the draft's forward does
     not name).
     """
 
-    ttt_length: int = field(default=7, metadata={"help": "TTT steps per position"})
-    ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of step j is ttt_decay**j"})
-    feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "expected draft vocabulary size"})
-    max_length: int | None = field(default=2048, metadata={"help": "cut longer rows in the default collator"})
-    build_draft_vocab: bool = field(default=True, metadata={"help": "build a placeholder draft vocabulary from data"})
     remove_unused_columns: bool = field(default=False, metadata={"help": "keep loss_mask and feature columns"})
 
     def __post_init__(self) -> None:
+        self.check_eagle3_options()  # before TrainingArguments' own set-up, which may touch devices
         super().__post_init__()
-        if not isinstance(self.ttt_length, int) or self.ttt_length < 1:
-            raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
-        if not 0 < self.ttt_decay <= 1:
-            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
-        if self.feature_mode not in ("online", "offline"):
-            raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length must be None or >= 2, got {self.max_length!r}.")
 
 
 @dataclass
