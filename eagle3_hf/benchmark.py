@@ -1,4 +1,5 @@
-"""The benchmark behind `eagle3-hf bench` (`eagle3_hf.commands.bench`): plain greedy, prompt lookup, EAGLE-3 chain and EAGLE-3 tree, side by side.
+"""The benchmark behind `eagle3-hf bench` (`eagle3_hf.commands.bench`): plain greedy, prompt lookup, EAGLE-3
+chain and EAGLE-3 tree, side by side.
 
 All methods run in one process after a warm-up, interleaved per prompt (these machines are noisy:
 interleaving spreads any slowdown over every method), with the torch thread count fixed and

@@ -28,7 +28,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("eagle3_hf.commands.train", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
     "generate": ("eagle3_hf.commands.generate", "generate with a target and its EAGLE-3 draft"),
     "bench": ("eagle3_hf.commands.bench", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
-    "convert": ("eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"),
+    "convert": (
+        "eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"
+    ),
 }
 # Errors that come from what the user typed or has installed: one line, exit code 2.
 USER_ERRORS = (ValueError, ImportError, OSError)

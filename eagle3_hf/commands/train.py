@@ -201,9 +201,6 @@ def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
     values["fp16"] = values["fp16"] or args.dtype == "float16"
     if not torch.cuda.is_available():
         values["use_cpu"] = True  # bf16 autocast on a CPU-only machine needs it said explicitly
-    if values["gradient_checkpointing"] and not values.get("gradient_checkpointing_kwargs"):
-        # the draft's checkpointed layer never needs the reentrant variant (whose default transformers warns about)
-        values["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     return Eagle3TrainingArguments(**values)
 
 
@@ -234,7 +231,8 @@ def run_cli(args: argparse.Namespace) -> int:
     from transformers.trainer_utils import get_last_checkpoint, set_seed
 
     from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.targets import load_target, load_tokenised_data, resolve_target, target_hub_id
+    from eagle3_hf.targets import load_target, load_tokenised_data, resolve_target
+    from eagle3_hf.training.data_files import is_dataset_id
     from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
     from eagle3_hf.training.trainer import Eagle3Trainer, install_draft_vocab
 
@@ -267,11 +265,11 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"{100 * vocab.coverage:.2f}% of supervised tokens.")  # fmt: skip
     sources = args.features if offline else args.data
     before = (draft.training_info or {}).get("steps") or 0 if args.init_draft else 0
-    draft.training_info = {
+    draft.training_info = {  # what the draft's model card says about its training
         "data": ", ".join(sources) + (" (offline features)" if offline else ""),
-        "datasets": [s for s in sources if target_hub_id(s) == s and not os.path.exists(s)] or None,
-        "ttt_length": training_args.ttt_length, "target_revision": None,
-    }  # fmt: skip
+        "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
+        "ttt_length": training_args.ttt_length,
+    }
     trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
     output_dir = training_args.output_dir
     checkpoint = training_args.resume_from_checkpoint

@@ -382,7 +382,8 @@ def save_speculators(
     if embedding is not None:
         if tuple(embedding.shape) != tuple(tensors[EMBED_KEY].shape):
             raise ValueError(
-                f"The embedding given has shape {tuple(embedding.shape)}, the draft's is {tuple(tensors[EMBED_KEY].shape)}."
+                f"The embedding given has shape {tuple(embedding.shape)}, the draft's is "
+                f"{tuple(tensors[EMBED_KEY].shape)}."
             )
         tensors[EMBED_KEY] = embedding.detach().cpu().contiguous()
     _write(out_dir, config, tensors)

@@ -38,9 +38,10 @@ def _eval_results(metrics: Mapping[str, Any]) -> list[EvalResult]:
 
     def add(metric_type: str, metric_name: str, value: Any) -> None:
         if value is not None:
-            results.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
-                                      metric_type=metric_type, metric_name=metric_name, metric_value=round(float(value), 4),
-                                      **_BENCH_DATASET))  # fmt: skip
+            results.append(EvalResult(
+                task_type="text-generation", task_name="speculative decoding", metric_type=metric_type,
+                metric_name=metric_name, metric_value=round(float(value), 4), **_BENCH_DATASET,
+            ))  # fmt: skip
 
     add("mean_accepted_tokens", "tau (tree)", metrics.get("tau"))
     add("mean_accepted_tokens_chain", "tau (chain)", metrics.get("tau_chain"))

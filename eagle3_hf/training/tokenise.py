@@ -26,7 +26,8 @@ def tokenise_data(
     dataset, stats = build_dataset(conversations, tokenizer, max_length)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every process reads the data: one says so
         print(
-            f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} tokens, "
+            f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} "
+            f"tokens, "
             f"{stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
             f"{stats.truncated} truncated to {max_length})."
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from eagle3_hf.training.arguments import Eagle3TrainingOptions
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.features import _base_draft, online_features
+from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
@@ -315,6 +317,17 @@ class Eagle3Trainer(Trainer):
         metrics.update({f"{prefix}loss_{j}": round(float(losses[j] / batches.clamp(min=1)), 4) for j in range(k)})
         metrics[f"{prefix}sim_accept_len"] = round(simulated_acceptance_length(acc), 4)
         return metrics
+
+    def create_model_card(self, **kwargs: Any) -> None:
+        """Write the draft's own model card (`eagle3_hf.modeling.model_card`) into `args.output_dir`.
+
+        `Trainer.push_to_hub` calls this; the stock card would describe a fine-tuned language model.
+        """
+        if not self.is_world_process_zero():
+            return
+        draft = _base_draft(self.accelerator.unwrap_model(self.model))
+        info = {"steps": self.state.global_step, "ttt_length": self.args.ttt_length, **(draft.training_info or {})}
+        build_model_card(draft.config, info).save(os.path.join(self.args.output_dir, CARD_NAME))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the TTT metrics accumulated since the last log (gathered across processes) and log."""
