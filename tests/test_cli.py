@@ -305,3 +305,25 @@ def test_readme_set_up_is_what_a_newcomer_can_run():
     assert "--index-url" in set_up and "CPU" in set_up  # what `pip install torch==2.13.0` does, and the alternative
     assert "sharegpt.json" not in readme  # no file that nobody has
     assert "--num_processes 2 --cpu" not in readme and "accelerate launch --multi_gpu --num_processes 2" in readme
+
+
+def test_tree_options_on_a_generation_config_and_other_methods_refused(tiny):
+    from transformers import GenerationConfig
+
+    _, target = tiny
+    draft = Eagle3DraftModel.from_target(target).eval()
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
+    common = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True}
+    config = GenerationConfig(tree_depth=2, tree_top_k=1, tree_total_tokens=3, adaptive_tree=False, **common)
+    out = target.generate(ids, assistant_model=draft, generation_config=config, attention_mask=torch.ones_like(ids))
+    assert set(out.tree_sizes) == {3}  # the config's tree, verified in full every cycle
+    out = target.generate(ids, assistant_model=draft, generation_config=config, tree_total_tokens=2,
+                          attention_mask=torch.ones_like(ids))  # fmt: skip
+    assert set(out.tree_sizes) == {2}  # a call argument beats the config
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens asks for prompt-lookup decoding"):
+        target.generate(ids, assistant_model=draft, prompt_lookup_num_tokens=3, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_assistant_tokens sizes the chains .* pass tree_depth"):
+        target.generate(ids, assistant_model=draft, num_assistant_tokens=4, max_new_tokens=2)
+    with pytest.warns(UserWarning, match="num_assistant_tokens=4 is ignored by EAGLE-3 decoding"):
+        target.generate(ids, assistant_model=draft, generation_config=GenerationConfig(num_assistant_tokens=4,
+                                                                                       max_new_tokens=2))  # fmt: skip
