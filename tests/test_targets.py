@@ -158,7 +158,7 @@ def test_load_smollm2_gguf_saves_as_plain_checkpoint(tmp_path):
     # About 20 s: dequantizes the real GGUF.
     assert load_tokenizer(SMOLLM2).name_or_path == SMOLLM2
     model = load_target(SMOLLM2)
-    assert model.config._name_or_path == SMOLLM2
+    assert model.config._name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub id the short name stands for
     assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
     model.save_pretrained(tmp_path)
