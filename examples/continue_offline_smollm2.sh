@@ -3,9 +3,10 @@
 #
 # The frozen target's forward is ~40% of an online training step on a CPU (0.74 s of ~1.95 s for 2 x 384 tokens in
 # bf16). Computing its features once and reading them back every epoch removes that cost from every later step.
-# The features are restricted to the shipped draft's own vocabulary (`--vocab DRAFT_FOLDER`), which is what
-# `--init-draft` needs. Disk: ~19 KB per token in bf16 (1,728 tap values + 8,192 draft-vocabulary logits), about
-# 13 GiB for 3,051 conversations at <= 384 tokens; the size is printed (and checked) before writing.
+# The features keep the target's 64 largest logits per token over its full vocabulary (with their ids), so they
+# serve the shipped draft's vocabulary or any other. Disk: ~3.8 KB per token in bf16 (1,728 tap values, 64 logits,
+# 64 int32 ids), about 2.5 GiB for 3,051 conversations at <= 384 tokens; the size is printed (and checked) before
+# writing. Folders written by older versions (draft-vocabulary logits) are refused: these are new folders.
 # Every step resumes where it stopped.
 set -euo pipefail
 OUT=${OUT:-work_data}
@@ -28,15 +29,16 @@ MORE=$(for archive in examples/data/smollm2_sharegpt_regen_*.tar.gz; do tar tzf 
 #    the later conversations in another, so that adding data never recomputes the older features.
 FIRST=$(tar tzf examples/data/smollm2_sharegpt_regen.tar.gz | grep '\.jsonl$' | sed "s|^|$OUT/|")
 # shellcheck disable=SC2086  # the shard lists are meant to split into one argument per file
-eagle3-hf features --target smollm2 --data $FIRST "$OUT/regen_alpaca" --output "$OUT/features_all" \
-  --vocab "$DRAFT" --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
+eagle3-hf features --target smollm2 --data $FIRST "$OUT/regen_alpaca" --output "$OUT/features_top64_all" \
+  --logits-top-k 64 --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
 # shellcheck disable=SC2086
-eagle3-hf features --target smollm2 --data $MORE --output "$OUT/features_more" \
-  --vocab "$DRAFT" --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
+eagle3-hf features --target smollm2 --data $MORE --output "$OUT/features_top64_more" \
+  --logits-top-k 64 --max-length 384 --shard-size 128 --batch-size 4 --dtype bfloat16 --storage-dtype bfloat16
 
 # 2. Continue the draft from its saved weights on both folders (a fresh cosine schedule over --max-steps). The new
 #    folder is named twice, so its conversations are drawn twice as often as the ones the draft has already seen.
-eagle3-hf train --target smollm2 --features "$OUT/features_all" "$OUT/features_more" "$OUT/features_more" \
+eagle3-hf train --target smollm2 --features "$OUT/features_top64_all" "$OUT/features_top64_more" \
+  "$OUT/features_top64_more" \
   --output "$OUT/draft_offline" \
   --init-draft "$DRAFT" --max-steps "${STEPS:-2000}" --ttt-length 7 --batch-size 2 --learning-rate 3e-4 \
   --dtype bfloat16 --save-steps 100 --logging-steps 50 --resume
