@@ -32,10 +32,12 @@ fi
 eagle3-hf regenerate --target smollm2 --data "$OUT/alpaca_en_demo.json" --output "$OUT/regen_alpaca" \
   --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 --shard-size 64 --dtype bfloat16
 
-# 2. Train the draft (TTT length 7) on both sets of regenerated answers. To continue from the shipped draft instead
-#    of starting afresh, add: --init-draft eagle3_hf/drafts/smollm2-135m-instruct
+# 2. Train the draft (TTT length 7) on both sets of regenerated answers. The draft vocabulary is counted on all of
+#    them; `auto` prints the held-out coverage of 4,096-32,768 ids and takes the smallest covering 95% of the
+#    target's tokens. The head starts from the target's rows for those ids (--no-init-from-target: random). To
+#    continue from the shipped draft instead, add: --init-draft eagle3_hf/drafts/smollm2-135m-instruct
 eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca" --output "$OUT/draft_smollm2" \
-  --max-steps 20000 --ttt-length 7 --draft-vocab-size 8192 --max-length 512 --batch-size 2 --learning-rate 5e-4 \
+  --max-steps 20000 --ttt-length 7 --draft-vocab-size auto --max-length 512 --batch-size 2 --learning-rate 5e-4 \
   --dtype bfloat16 --resume
 
 # 3. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
