@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target
+from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
 
 torch.set_num_threads(1)
 
@@ -62,3 +62,34 @@ def test_layer_copy_takes_mlp_o_proj_and_norms_not_the_wider_qkv():
     assert "midlayer.mlp.up_proj.weight" in copied and not any("q_proj" in name for name in copied)
     with pytest.raises(ValueError, match="layer_index"):
         init_layer_from_target(draft, target, layer_index=4)
+
+
+def test_remap_keeps_the_logits_of_shared_tokens(tmp_path):
+    target = make_target()
+    old_ids = [3, 7, 8, 20, 41, 42, 60, 95]
+    draft = draft_with_vocab(target, old_ids)
+    with torch.no_grad():
+        draft.lm_head.weight.normal_()  # a "trained" head, unlike the target's rows
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (1, 6))
+    with torch.no_grad():
+        features = draft.target_features(target(ids, output_hidden_states=True).hidden_states)
+        before = draft(ids, target_hidden_states=features).logits  # [1, 6, 8]
+    new_ids = [1, 3, 8, 9, 41, 50, 60, 70, 80, 90, 95]  # larger; drops 7, 20 and 42; adds six
+    t2d = torch.zeros(96, dtype=torch.bool)
+    t2d[new_ids] = True
+    assert remap_draft_vocab(draft, torch.tensor(new_ids) - torch.arange(11), t2d, target=target) == 5
+    with torch.no_grad():
+        after = draft(ids, target_hidden_states=features).logits  # [1, 6, 11]
+    assert after.shape[-1] == 11 == draft.config.draft_vocab_size
+    shared = [i for i in new_ids if i in old_ids]
+    torch.testing.assert_close(after[..., [new_ids.index(i) for i in shared]],
+                               before[..., [old_ids.index(i) for i in shared]], rtol=0, atol=0)  # fmt: skip
+    added = [new_ids.index(i) for i in new_ids if i not in old_ids]
+    assert torch.equal(draft.lm_head.weight[added], target.lm_head.weight[[new_ids[i] for i in added]])
+    assert draft.draft_to_target_ids(torch.arange(11)).tolist() == new_ids
+    draft.save_pretrained(tmp_path)
+    reloaded = Eagle3DraftModel.from_pretrained(str(tmp_path), target=target)
+    assert torch.equal(reloaded.d2t, draft.d2t) and torch.equal(reloaded.lm_head.weight, draft.lm_head.weight)
+    with pytest.raises(ValueError, match="t2d"):
+        remap_draft_vocab(draft, torch.zeros(3, dtype=torch.long), t2d)

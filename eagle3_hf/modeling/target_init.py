@@ -7,7 +7,8 @@ copy happens only where the shapes match; otherwise it is skipped with a log lin
 drafts whose width differs from the target's.
 
 `init_head_from_target` copies the head and the final norm; `init_layer_from_target` (separate, off by default)
-copies a target decoder layer's MLP, attention output projection and norms into the draft's layer.
+copies a target decoder layer's MLP, attention output projection and norms into the draft's layer;
+`remap_draft_vocab` moves a trained draft to another vocabulary, new tokens taking the target's head rows.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids
+from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["init_head_from_target", "init_layer_from_target"]
+__all__ = ["init_head_from_target", "init_layer_from_target", "remap_draft_vocab"]
 
 
 def _decoder(target: PreTrainedModel) -> nn.Module:
@@ -107,3 +108,40 @@ def init_layer_from_target(draft: Any, target: PreTrainedModel, layer_index: int
                   copied)  # fmt: skip
     logger.info("Target-derived init: copied %s from target layer %d.", ", ".join(copied) or "nothing", layer_index)
     return copied
+
+
+def remap_draft_vocab(
+    draft: Any, d2t: torch.Tensor, t2d: torch.Tensor, target: PreTrainedModel | None = None
+) -> int:
+    """Move a (trained) draft to another draft vocabulary, in place; returns how many ids the two share.
+
+    The head of a token in both vocabularies keeps its trained row (so its logit is unchanged); a new token's row
+    is the target's output-head row for it when `target` is given (as `init_head_from_target` does), else a fresh
+    random one. The new vocabulary may be larger, smaller or just different.
+    """
+    validate_vocab_mapping(d2t, t2d, draft.config.vocab_size)
+    old_head = draft.lm_head.weight  # [Vd_old, H]
+    old_ids = draft_to_target_ids(torch.arange(old_head.shape[0], device=draft.d2t.device), draft.d2t)
+    new_ids = draft_to_target_ids(torch.arange(d2t.numel()), d2t.long().cpu()).to(old_head.device)
+    head = nn.Linear(old_head.shape[1], d2t.numel(), bias=False, device=old_head.device, dtype=old_head.dtype)
+    draft._init_weights(head)
+    if target is not None:
+        rows = target.get_output_embeddings().weight
+        _copy("lm_head.weight", head.weight, rows[new_ids.to(rows.device)], [])
+    # old_index[target id] = its row in the old head, -1 where the old vocabulary did not hold it
+    old_index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=old_head.device)
+    old_index[old_ids.to(old_head.device)] = torch.arange(old_head.shape[0], device=old_head.device)
+    source = old_index[new_ids]
+    shared = source >= 0
+    with torch.no_grad():
+        head.weight[shared] = old_head.detach()[source[shared]]
+    head.weight.requires_grad_(old_head.requires_grad)
+    draft.lm_head = head
+    draft.config.draft_vocab_size = d2t.numel()
+    draft.register_buffer("d2t", d2t.to(draft.t2d.device, torch.long).clone())
+    draft.t2d.copy_(t2d.to(draft.t2d.device, torch.bool))
+    logger.info(
+        "Draft vocabulary remapped: %d ids kept their head rows, %d new ones from %s.",
+        int(shared.sum()), int((~shared).sum()), "the target's head" if target is not None else "random values",
+    )  # fmt: skip
+    return int(shared.sum())
