@@ -1,9 +1,7 @@
 """Online and offline target features: identical batches and losses, shards, resumption, disk checks, CLI."""
 
-import importlib.util
 import json
 import os
-import pathlib
 import shutil
 from collections import namedtuple
 
@@ -15,29 +13,16 @@ from eagle3_hf.training import features as features_module
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.features import FEATURES_FORMAT, estimate_feature_bytes, online_features, precompute_features
-from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
+from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 from eagle3_hf.training.vocab import build_draft_vocab
 
 torch.set_num_threads(1)
 
-_spec = importlib.util.spec_from_file_location(
-    "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
-
 
 @pytest.fixture(scope="module")
-def setup():
-    target = tiny.make_tiny_target()
-    rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
-    # rows of different lengths, so that the collated batches carry padding
-    rows = rows.map(lambda r, i: {k: r[k][: 12 - 2 * i] for k in ("input_ids", "loss_mask", "attention_mask")},
-                    with_indices=True)  # fmt: skip
-    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40)
-    install_draft_vocab(draft, rows)
-    return target, draft, rows
+def setup(tiny_setup):
+    return tiny_setup
 
 
 def test_online_and_offline_batches_and_losses_are_identical(setup, tmp_path):
@@ -190,8 +175,12 @@ def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
     out = tmp_path / "features"
     assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
                      "--logits-top-k", "16", "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
-    data_set = OfflineFeatureDataset(out)
-    assert len(data_set) == 12 and data_set.manifest["logits_top_k"] == 16
+    data_set = OfflineFeatureDataset(out)  # sum-3 is held out (id hash below 2%): 11 of the 12 conversations
+    assert len(data_set) == 11 and data_set.manifest["logits_top_k"] == 16
+    held_out = tmp_path / "held_out"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(held_out),
+                     "--split", "held-out"]) == 0  # fmt: skip
+    assert len(OfflineFeatureDataset(held_out)) == 1
     # A second run finds every shard done; data without assistant turns is refused cleanly.
     assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
                      "--logits-top-k", "16", "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip

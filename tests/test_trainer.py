@@ -299,7 +299,7 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["train", "--target", str(folder), "--features", str(features), str(features), "--output",
                      str(offline), "--max-steps", "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
-    assert "Offline features: 24 samples" in capsys.readouterr().out  # several --features folders are joined
+    assert "Offline features: 22 samples" in capsys.readouterr().out  # several --features folders are joined
     assert torch.equal(Eagle3DraftModel.from_pretrained(str(offline)).t2d, draft.t2d)
     # A fresh draft on the same features: its vocabulary is counted on their tokens, or read from `eagle3-hf vocab`.
     fresh = tmp_path / "fresh"
@@ -317,6 +317,32 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(tmp_path / "x"),
                      "--max-steps", "1", "--draft-vocab-size", "auto"]) == 2  # fmt: skip
     assert "pass --vocab FILE" in capsys.readouterr().err
+
+
+def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    out = tmp_path / "run"
+    # At 25% the id hash holds out sum-2, -3, -4, -7 and -9: trained on 7, evaluated on 5 every step.
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "2",
+                     "--ttt-length", "2", "--draft-vocab-size", "40", "--held-out-fraction", "0.25",
+                     "--eval-steps", "1"]) == 0  # fmt: skip
+    assert "Held out 5 of 12 conversations" in capsys.readouterr().out
+    evals = [log for log in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_acc_0" in log]
+    assert [log["step"] for log in evals] == [1, 2] and all("eval_coverage" in log for log in evals)
+    # Continuing into a larger vocabulary: shared tokens keep their trained head rows, new ones get the target's.
+    old = Eagle3DraftModel.from_pretrained(str(out))
+    larger = tmp_path / "larger"
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(larger), "--max-steps",
+                     "1", "--ttt-length", "2", "--init-draft", str(out), "--draft-vocab-size", "48",
+                     "--learning-rate", "0"]) == 0  # fmt: skip
+    new = Eagle3DraftModel.from_pretrained(str(larger))
+    old_ids, new_ids = old.draft_to_target_ids(torch.arange(40)).tolist(), new.draft_to_target_ids(torch.arange(48))
+    shared = [i for i in new_ids.tolist() if i in old_ids]
+    assert f"Remapped the draft to 48 ids: {len(shared)} kept their head rows" in capsys.readouterr().out
+    assert len(shared) > 30 and new.config.draft_vocab_size == 48
+    rows_new = [new_ids.tolist().index(i) for i in shared]
+    rows_old = [old_ids.index(i) for i in shared]
+    torch.testing.assert_close(new.lm_head.weight[rows_new], old.lm_head.weight[rows_old])  # learning rate 0
 
 
 def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):

@@ -9,6 +9,7 @@ import torch
 
 from eagle3_hf.targets import load_target, load_tokenised_data
 from eagle3_hf.training.features import DEFAULT_TOP_K, precompute_features
+from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, SPLITS, split_filter
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -21,6 +22,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logits-top-k", type=int, default=DEFAULT_TOP_K,
                         help="target logits kept per token (the largest, over the full vocabulary, with their ids); "
                         "they serve any draft vocabulary")  # fmt: skip
+    parser.add_argument("--split", choices=SPLITS, default="train",
+                        help="train: leave out the held-out conversations (by id hash); held-out: only those (for "
+                        "`train --eval-features`); all: every one")  # fmt: skip
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-conversations", type=int, default=None)
     parser.add_argument("--shard-size", type=int, default=256)
@@ -42,7 +47,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise ValueError(
                     f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
                 ) from None
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+        select = split_filter(args.split, args.held_out_fraction)
+        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
         target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
         shards = precompute_features(
             target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,

@@ -12,10 +12,11 @@ from transformers.trainer_utils import get_last_checkpoint, set_seed
 
 from eagle3_hf.commands.vocab import add_vocab_size_arguments
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target
+from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
 from eagle3_hf.targets import load_target, load_tokenised_data
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.features import DEFAULT_TOP_K
+from eagle3_hf.training.split import split_held_out
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, select_draft_vocab
 
@@ -50,7 +51,13 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--save-total-limit", type=int, default=2,
                         help="checkpoints kept in --output (older ones are deleted; 0 keeps all)")
     parser.add_argument("--logging-steps", type=int, default=10)
-    parser.add_argument("--init-draft", default=None, help="continue training this saved draft (keeps its vocabulary)")
+    parser.add_argument("--init-draft", default=None,
+                        help="continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
+                        "vocabulary, shared tokens keeping their head rows, new ones the target's)")  # fmt: skip
+    parser.add_argument("--eval-steps", type=int, default=None,
+                        help="evaluate every N steps on the held-out conversations (online) or --eval-features")
+    parser.add_argument("--eval-features", nargs="+", default=None,
+                        help="offline features of held-out conversations (`eagle3-hf features --split held-out`)")
     parser.add_argument(
         "--target-layer-ids", default=None,
         help="three comma-separated output_hidden_states ids to tap (low,mid,high; default 2,L//2,L-3); e.g. the "
@@ -103,19 +110,31 @@ def _run_train(args: Any) -> int:
     set_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     offline = args.features is not None
+    eval_dataset = None
     if offline:
         dataset = OfflineFeatureDataset(args.features)
         print(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
+        if args.eval_features:
+            eval_dataset = OfflineFeatureDataset(args.eval_features)
+        elif args.eval_steps:
+            raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
     else:
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+        _, everything, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+        dataset, held_out = split_held_out(everything, args.held_out_fraction)
+        print(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
+        if args.eval_steps and len(held_out) == 0:
+            raise ValueError("--eval-steps: no conversation is held out; raise --held-out-fraction or add data.")
+        eval_dataset = held_out if args.eval_steps else None
     target = load_target(args.target, dtype=dtype)
     if args.init_draft:
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
-        if args.draft_vocab_size not in (None, draft.config.draft_vocab_size) or args.vocab:
-            raise ValueError(
-                f"--init-draft {args.init_draft} keeps its own vocabulary of {draft.config.draft_vocab_size} ids; "
-                "drop --draft-vocab-size / --vocab."
-            )
+        if args.vocab or args.draft_vocab_size not in (None, draft.config.draft_vocab_size):
+            vocab_size = target.config.get_text_config().vocab_size
+            vocab = _fresh_draft_vocab(args, dataset, vocab_size)
+            d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
+                torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
+            shared = remap_draft_vocab(draft, d2t, t2d, target if args.init_from_target else None)
+            print(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
     else:
         vocab = _fresh_draft_vocab(args, dataset, target.config.get_text_config().vocab_size)
         size = vocab.draft_vocab_size if vocab is not None else None
@@ -143,10 +162,12 @@ def _run_train(args: Any) -> int:
         save_steps=args.save_steps, save_total_limit=args.save_total_limit or None,
         logging_steps=args.logging_steps, seed=args.seed, report_to="none",
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, gradient_checkpointing=args.gradient_checkpointing,
-        build_draft_vocab=False,
+        build_draft_vocab=False, eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps,
+        per_device_eval_batch_size=args.batch_size,
         use_cpu=not torch.cuda.is_available(),  # bf16 autocast on a CPU-only machine needs it said explicitly
     )  # fmt: skip
-    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
+    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset,
+                            eval_dataset=eval_dataset)  # fmt: skip
     checkpoint = get_last_checkpoint(args.output) if args.resume and os.path.isdir(args.output) else None
     if args.resume:
         print(f"Resuming from {checkpoint}." if checkpoint else f"No checkpoint in {args.output}: starting afresh.")

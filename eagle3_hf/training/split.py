@@ -9,14 +9,15 @@ line without sharing any file.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from datasets import Dataset
 
-__all__ = ["DEFAULT_HELD_OUT_FRACTION", "held_out_score", "is_held_out", "split_held_out"]
+__all__ = ["DEFAULT_HELD_OUT_FRACTION", "SPLITS", "held_out_score", "is_held_out", "split_filter", "split_held_out"]
 
 DEFAULT_HELD_OUT_FRACTION = 0.02
+SPLITS = ("train", "held-out", "all")
 
 
 def held_out_score(conversation_id: str) -> float:
@@ -34,6 +35,17 @@ def is_held_out(conversation_id: str, fraction: float = DEFAULT_HELD_OUT_FRACTIO
     """True when the conversation `conversation_id` belongs to the held-out split of size `fraction`."""
     _check_fraction(fraction)
     return held_out_score(conversation_id) < fraction
+
+
+def split_filter(split: str, fraction: float = DEFAULT_HELD_OUT_FRACTION) -> Callable[[Mapping], bool] | None:
+    """A ``select(conversation) -> bool`` keeping the ``"train"`` or ``"held-out"`` side; None for ``"all"``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}.")
+    _check_fraction(fraction)
+    if split == "all":
+        return None
+    want_held_out = split == "held-out"
+    return lambda conversation: (held_out_score(conversation["id"]) < fraction) == want_held_out
 
 
 def split_held_out(
