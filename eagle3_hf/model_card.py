@@ -15,7 +15,21 @@ from huggingface_hub import ModelCard
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
 from eagle3_hf.outputs import staged_file
 
-__all__ = ["bench_card", "format_rates", "write_bench_card"]
+__all__ = ["EVALUATION_NAME", "bench_card", "format_evaluation_table", "format_rates", "write_bench_card"]
+
+EVALUATION_NAME = "evaluation.json"  # in a draft folder: {set label: evaluate_draft metrics}
+
+
+def format_evaluation_table(results: dict[str, dict[str, Any]], first_column: str = "evaluation set") -> str:
+    """A markdown table of `evaluate_draft` metrics, one row per entry (a draft, or an evaluation set)."""
+    steps = sorted({int(k[4:]) for m in results.values() for k in m if k.startswith("acc_") and k[4:].isdigit()})
+    lines = [f"| {first_column} | " + " | ".join(f"acc_{j}" for j in steps)
+             + " | coverage | simulated acceptance length | tokens |", "|---|" + "---|" * (len(steps) + 3)]  # fmt: skip
+    for name, m in results.items():
+        accs = " | ".join("n/a" if f"acc_{j}" not in m else f"{m[f'acc_{j}']:.3f}" for j in steps)
+        tail = f"{m['coverage']:.3f} | {m['sim_accept_len']:.2f} | {m['supervised_tokens']}"
+        lines.append(f"| {name} | {accs} | {tail} |")
+    return "\n".join(lines)
 
 
 def format_rates(rates: list[float | None], sep: str) -> str:
@@ -35,6 +49,10 @@ def bench_card(draft_dir: str, report: dict[str, Any] | None = None, **text: Any
     if os.path.isfile(info_path):
         with open(info_path, encoding="utf-8") as f:
             info = json.load(f)
+    evaluation_path = os.path.join(draft_dir, EVALUATION_NAME)  # written by `eagle3-hf evaluate --record LABEL`
+    if os.path.isfile(evaluation_path):
+        with open(evaluation_path, encoding="utf-8") as f:
+            text.setdefault("evaluation", format_evaluation_table(json.load(f)))
     metrics = {k: (report or {}).get(k) for k in ("tau", "tau_chain", "speedup", "acceptance_by_depth")}
     if report:
         env, cfg = report.get("environment", {}), report.get("config", {})

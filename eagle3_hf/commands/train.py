@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from eagle3_hf.commands import OneLineErrors, apply_config, is_main_process, load_config_file, say, split_config
-from eagle3_hf.training.arguments import Eagle3TrainingOptions
+from eagle3_hf.commands.vocab import draft_vocab_size_arg
+from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE, Eagle3TrainingOptions
 
 PROG = "eagle3-hf train"
 DESCRIPTION = "Train an EAGLE-3 draft with Trainer.train() and the TTT loss."
@@ -41,7 +42,33 @@ class TrainCommandArguments:
     )
     max_conversations: int | None = field(default=None, metadata={"help": "read at most this many conversations"})
     init_draft: str | None = field(
-        default=None, metadata={"help": "continue training this saved draft (keeps its vocabulary)"}
+        default=None,
+        metadata={"help": "continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
+                          "vocabulary, shared tokens keeping their head rows, new ones the target's)"},
+    )  # fmt: skip
+    vocab: str | None = field(
+        default=None, metadata={"help": "draft vocabulary file written by `eagle3-hf vocab` (fresh drafts)"}
+    )
+    min_coverage: float = field(
+        default=DEFAULT_MIN_COVERAGE, metadata={"help": "held-out coverage --draft-vocab-size auto must reach"}
+    )
+    held_out_fraction: float = field(
+        default=DEFAULT_HELD_OUT_FRACTION,
+        metadata={"help": "share of conversations (by id hash) held out from training: they measure the vocabulary's "
+                          "coverage and are the evaluation set of --eval-steps"},
+    )  # fmt: skip
+    eval_features: list[str] | None = field(
+        default=None,
+        metadata={"help": "offline features of held-out conversations (`eagle3-hf features --split held-out`), "
+                          "evaluated every --eval-steps"},
+    )  # fmt: skip
+    init_from_target: bool = field(
+        default=True, metadata={"help": "start a fresh draft's head from the target's head rows and final norm "
+                                        "(--no-init-from-target: random)"},
+    )  # fmt: skip
+    init_layer_from_target: bool = field(
+        default=False,
+        metadata={"help": "also copy the target's last decoder layer's MLP, o_proj and norms into a fresh draft"},
     )
     target_layer_ids: str | None = field(
         default=None,
@@ -65,7 +92,7 @@ class TrainCommandArguments:
 TRAIN_DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-4, "warmup_steps": 0.015, "lr_scheduler_type": "cosine", "adam_beta2": 0.95,
     "max_grad_norm": 0.5, "weight_decay": 0.0, "per_device_train_batch_size": 1, "save_steps": 500,
-    "save_total_limit": 2, "logging_steps": 10, "seed": 0, "report_to": "none",
+    "save_total_limit": 2, "logging_steps": 10, "seed": 0, "report_to": "none", "per_device_eval_batch_size": 1,
 }  # fmt: skip
 # Older flag names -> the TrainingArguments field they set.
 ALIASES = {"--output": "output_dir", "--batch-size": "per_device_train_batch_size", "--warmup-ratio": "warmup_steps"}
@@ -73,7 +100,7 @@ _ALIAS_TYPES = {"output_dir": str, "per_device_train_batch_size": int, "warmup_s
 _TRAINING_ARGUMENTS_SHOWN = (
     "--output-dir", "--max-steps", "--num-train-epochs", "--learning-rate", "--per-device-train-batch-size",
     "--gradient-accumulation-steps", "--save-steps", "--save-total-limit", "--logging-steps", "--eval-strategy",
-    "--report-to", "--push-to-hub", "--hub-model-id", "--gradient-checkpointing", "--seed",
+    "--eval-steps", "--report-to", "--push-to-hub", "--hub-model-id", "--gradient-checkpointing", "--seed",
 )  # fmt: skip
 
 
@@ -134,7 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"alias of --{dest.replace('_', '-')}")  # fmt: skip
     parser.add_argument("--config", help="JSON/YAML file of option values (flags given here win)")
     parser.set_defaults(**TRAIN_DEFAULTS)
+    _action(parser, "draft_vocab_size").type = draft_vocab_size_arg  # a size, or "auto" (chosen by coverage)
     return parser
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)  # argparse keeps no public index of its options
 
 
 def parse_cli(argv: list[str]) -> argparse.Namespace:
@@ -175,6 +207,8 @@ def _check(args: argparse.Namespace) -> None:
                          f"of steps, got {args.warmup_steps}.")  # fmt: skip
     if args.resume and args.overwrite_output_dir:
         raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
+    if args.eval_steps and args.features is not None and not args.eval_features:
+        raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
     if args.dtype != "float32" and (args.bf16 or args.fp16):
         raise ValueError(f"--dtype {args.dtype} sets the mixed precision itself; leave out --bf16/--fp16.")
     check_output_dir(args.output_dir, args.overwrite_output_dir or args.resume, "--output-dir", resumable=True)
@@ -196,7 +230,10 @@ def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
 
     names = {f.name for f in dataclasses.fields(Eagle3TrainingArguments) if f.init}
     values = {k: v for k, v in vars(args).items() if k in names}
-    values.update(feature_mode="offline" if offline else "online", build_draft_vocab=False)
+    # The command chooses the vocabulary itself (`--draft-vocab-size` may be "auto"), so the trainer checks nothing.
+    values.update(feature_mode="offline" if offline else "online", build_draft_vocab=False, draft_vocab_size=None)
+    if values.get("eval_steps") and values["eval_strategy"] in ("no", None):
+        values["eval_strategy"] = "steps"  # --eval-steps N alone: evaluate every N steps
     values["bf16"] = values["bf16"] or args.dtype == "bfloat16"
     values["fp16"] = values["fp16"] or args.dtype == "float16"
     if not torch.cuda.is_available():
@@ -225,44 +262,106 @@ def _save_final(trainer: Any, output_dir: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _fresh_draft_vocab(args: argparse.Namespace, dataset: Any, target_vocab_size: int) -> Any:
+    """The vocabulary of a fresh draft: `--vocab`, or counted on the training data; None for the whole vocabulary."""
+    from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
+    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab, select_draft_vocab
+
+    if args.vocab:
+        vocab = load_draft_vocab(args.vocab)
+        if args.draft_vocab_size not in (None, vocab.draft_vocab_size):
+            raise ValueError(
+                f"--vocab {args.vocab} holds {vocab.draft_vocab_size} ids but --draft-vocab-size is "
+                f"{args.draft_vocab_size}; give one of them."
+            )
+        return vocab
+    if args.draft_vocab_size is None or args.draft_vocab_size == target_vocab_size:
+        return None
+    if isinstance(dataset, OfflineFeatureDataset):
+        if args.draft_vocab_size == "auto":
+            raise ValueError(
+                "--draft-vocab-size auto measures coverage on held-out conversations, which offline features do not "
+                "hold: run `eagle3-hf vocab --draft-vocab-size auto` on the conversations and pass --vocab FILE."
+            )
+        vocab = build_draft_vocab(dataset.token_rows(), target_vocab_size, args.draft_vocab_size)
+    else:
+        choice = select_draft_vocab(
+            dataset, target_vocab_size, args.draft_vocab_size, args.min_coverage, args.held_out_fraction
+        )
+        say(choice.table())
+        vocab = choice.vocab
+    say(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
+        f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens.")  # fmt: skip
+    return vocab
+
+
+def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[Any, Any]:
+    """(training set, evaluation set or None): offline features, or the conversations less the held-out ones."""
+    from eagle3_hf.targets import load_tokenised_data
+    from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
+    from eagle3_hf.training.split import split_held_out
+
+    evaluate = training_args.eval_strategy != "no"
+    if offline:
+        dataset = OfflineFeatureDataset(args.features)
+        say(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
+        return dataset, OfflineFeatureDataset(args.eval_features) if args.eval_features else None
+    _, everything, _ = load_tokenised_data(args.target, args.data, training_args.max_length, args.max_conversations)
+    dataset, held_out = split_held_out(everything, args.held_out_fraction)
+    say(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
+    if evaluate and len(held_out) == 0:
+        raise ValueError("--eval-steps: no conversation is held out; raise --held-out-fraction or add data.")
+    return dataset, held_out if evaluate else None
+
+
+def _draft(args: argparse.Namespace, target: Any, dataset: Any, overrides: dict[str, Any]) -> Any:
+    """A fresh draft for `target` (its vocabulary, target-derived init), or `--init-draft` (remapped if asked)."""
+    import torch
+
+    from eagle3_hf import Eagle3DraftModel
+    from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
+
+    vocab_size = target.config.get_text_config().vocab_size
+    if args.init_draft:
+        draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
+        if args.vocab or args.draft_vocab_size not in (None, draft.config.draft_vocab_size):
+            vocab = _fresh_draft_vocab(args, dataset, vocab_size)
+            d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
+                torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
+            shared = remap_draft_vocab(draft, d2t, t2d, target if args.init_from_target else None)
+            say(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
+        return draft
+    vocab = _fresh_draft_vocab(args, dataset, vocab_size)
+    size = vocab.draft_vocab_size if vocab is not None else None
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
+    if vocab is not None:
+        draft.set_draft_vocab(vocab.d2t, vocab.t2d)  # before the head copy: it picks the rows by these ids
+    if args.init_from_target:
+        say(f"Target-derived init: {', '.join(init_head_from_target(draft, target)) or 'nothing'} copied.")
+    if args.init_layer_from_target:
+        say(f"Target-derived init: {', '.join(init_layer_from_target(draft, target)) or 'nothing'} copied.")
+    return draft
+
+
 def run_cli(args: argparse.Namespace) -> int:
     _check(args)
     import torch
     from transformers.trainer_utils import get_last_checkpoint, set_seed
 
-    from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.targets import load_target, load_tokenised_data, resolve_target
+    from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.data_files import is_dataset_id
-    from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-    from eagle3_hf.training.trainer import Eagle3Trainer, install_draft_vocab
+    from eagle3_hf.training.trainer import Eagle3Trainer
 
     offline = args.features is not None
     overrides = _layer_ids(args.target_layer_ids)
     training_args = _training_arguments(args, offline)
     resolve_target(args.target)
     set_seed(training_args.seed)
-    dtype = getattr(torch, args.dtype)
-    if offline:
-        dataset = OfflineFeatureDataset(args.features)
-        say(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
-    else:
-        _, dataset, _ = load_tokenised_data(args.target, args.data, training_args.max_length, args.max_conversations)
-    target = load_target(args.target, dtype=dtype)
+    dataset, eval_dataset = _data(args, training_args, offline)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype))
     if args.target_id:
         target.config._name_or_path = args.target_id
-    if args.init_draft:
-        draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
-    else:
-        size = training_args.draft_vocab_size
-        if offline and size is None:
-            size = int(dataset.t2d.sum())
-        draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
-        if offline:
-            draft.set_draft_vocab(dataset.d2t, dataset.t2d)
-        elif draft.config.uses_draft_vocab:
-            vocab = install_draft_vocab(draft, dataset)
-            say(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
-                f"{100 * vocab.coverage:.2f}% of supervised tokens.")  # fmt: skip
+    draft = _draft(args, target, dataset, overrides)
     sources = args.features if offline else args.data
     before = (draft.training_info or {}).get("steps") or 0 if args.init_draft else 0
     draft.training_info = {  # what the draft's model card says about its training
@@ -270,7 +369,8 @@ def run_cli(args: argparse.Namespace) -> int:
         "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
         "ttt_length": training_args.ttt_length,
     }
-    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
+    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset,
+                            eval_dataset=eval_dataset)  # fmt: skip
     output_dir = training_args.output_dir
     checkpoint = training_args.resume_from_checkpoint
     if args.resume and checkpoint is None:
