@@ -58,7 +58,7 @@ class DecodeRun:
     output_scores: bool = False
     output_logits: bool = False
     cost: CycleCostModel = field(default_factory=CycleCostModel)
-    state: DraftState = field(default_factory=lambda: DraftState(cache=DynamicCache()))
+    state: DraftState = field(default_factory=DraftState)
     scores: tuple[torch.Tensor, ...] = ()
     raw_logits: tuple[torch.Tensor, ...] = ()
     accept_lengths: list[int] = field(default_factory=list)
