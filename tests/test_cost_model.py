@@ -54,3 +54,18 @@ def test_backoff_doubles_while_drafting_does_not_pay_and_resets_when_it_does():
     assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0]
     cost.after_cycle(drafted=True, paid_off=True)
     assert cost.consult_draft()
+
+
+def test_priors_fit_the_precision_the_tree_is_verified_in():
+    # One measured one-token step (40 ms), the same draft: in bf16 on CPU a wide verify costs little more than one
+    # token, in fp32 it grows with every node, so the same draft confidence buys a bigger tree in bf16.
+    probs = torch.tensor([0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.1] + [0.05] * 8)
+    sizes = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        cost = CycleCostModel.for_device("cpu", dtype)
+        cost.verify.observe(1, 0.04)
+        sizes[dtype] = cost.choose_size(probs, draft_seconds=0.006)[0]
+    assert sizes[torch.bfloat16] == 16 and 0 < sizes[torch.float32] < 8
+    assert CycleCostModel.for_device("cpu", torch.bfloat16).draft_step(1) < CycleCostModel().draft_step(1)
+    gpu = CycleCostModel.for_device("cuda", torch.float16)
+    assert gpu.verify(32) < 1.2 * gpu.verify(1)  # a GPU verifies a few dozen tokens for about the price of one

@@ -58,12 +58,25 @@ class LinearCost:
         return a + b * n
 
 
+# Priors before a call has measured anything, per (device type, dtype): verify cost a + b*n relative to one token
+# (a = 1) and one draft level relative to one token. Measured with a ~135M-parameter target and its one-layer draft
+# (examples/verify_cost.py, examples/draft_step_cost.py): on a CPU with bf16 matmul units, verifying 32 tokens
+# costs ~1.5x one token in bf16 but ~3x in fp32; on a GPU a few dozen tokens cost about one. They only shape the
+# first cycles and the slope while every cycle verifies one size: measured times replace them.
+_PRIORS: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    ("cpu", torch.float32): (1.0 / 15, 0.10),
+    ("cpu", torch.bfloat16): (1.0 / 60, 0.05),
+    ("cpu", torch.float16): (1.0 / 15, 0.10),
+}
+_GPU_PRIOR = (1.0 / 200, 0.10)
+
+
 @dataclass
 class CycleCostModel:
     """Per-call scheduler state. Costs are in seconds; only their ratios matter.
 
-    Priors (before measurements arrive) follow a 2-core CPU running a ~100M-parameter target:
-    verifying 16 tokens costs ~1.5x one token, one draft step ~15% of a target step.
+    The default priors (before measurements arrive) are a middle ground: verifying 16 tokens costs ~1.5x one token,
+    one draft step ~15% of a target step; `for_device` gives the ones measured for a device and precision.
     """
 
     verify: LinearCost = field(default_factory=lambda: LinearCost(prior_a=1.0, prior_b=1.0 / 30))
@@ -74,6 +87,14 @@ class CycleCostModel:
     backoff: int = 0  # tokens to decode plainly before consulting the draft again
     next_backoff: int = 1
     max_backoff: int = 32
+
+    @classmethod
+    def for_device(cls, device_type: str, dtype: torch.dtype) -> CycleCostModel:
+        """A cost model whose priors fit verifying in `dtype` on a `device_type` ("cpu", "cuda", ...) device."""
+        slope, draft = _PRIORS.get((device_type, dtype), _GPU_PRIOR if device_type != "cpu" else (1.0 / 30, 0.15))
+        return cls(
+            verify=LinearCost(prior_a=1.0, prior_b=slope), draft_step=LinearCost(prior_a=draft, prior_b=0.0)
+        )
 
     @property
     def calibration(self) -> float:
