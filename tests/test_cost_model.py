@@ -42,17 +42,28 @@ def test_calibration_discounts_an_overconfident_draft():
     assert not cost.worth_drafting(top_probability=0.99)
 
 
-def test_backoff_doubles_while_drafting_does_not_pay_and_resets_when_it_does():
+def test_backoff_doubles_while_consulting_loses_and_resets_when_it_pays():
     cost = CycleCostModel(max_backoff=4)
     pattern = []
     for _ in range(14):
         consulted = cost.consult_draft()
         pattern.append(int(consulted))
         if consulted:
-            cost.after_cycle(drafted=False, paid_off=False)
+            cost.after_consultation(-0.05)  # declined: a draft step lost
     # consult, skip 1, consult, skip 2, consult, skip 4, consult, skip 4 (capped), ...
     assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0]
-    cost.after_cycle(drafted=True, paid_off=True)
+    cost.after_consultation(1.2)  # a drafted cycle that won 1.2 tokens outweighs the recent declines
+    assert cost.consult_draft()
+
+
+def test_a_useful_draft_keeps_being_consulted_through_its_declines():
+    # Half the consultations decline (a draft step lost), the other half draft and win 0.6 tokens: no backoff.
+    cost = CycleCostModel()
+    for i in range(40):
+        assert cost.consult_draft()
+        cost.after_consultation(-0.05 if i % 2 else 0.6)
+    # An unlucky drafted cycle (nothing accepted) does not stop it either: the recent ones still pay together.
+    cost.after_consultation(-1.3)
     assert cost.consult_draft()
 
 

@@ -9,8 +9,11 @@ optimisation: verify the n best nodes maximising
 where draft_cost is what the cycle's drafting actually took; before drafting, the draft is consulted only when
 its most likely token could pay for a draft step (`worth_drafting`). The
 calibration factor (measured accepted / predicted accepted) corrects drafts that are over- or
-under-confident, so a poor draft quickly costs next to nothing: after each cycle where drafting
-did not pay, the draft is not even consulted for a growing number of tokens (exponential backoff).
+under-confident. Consulting the draft costs a draft step even when it then declines, so a poor draft would still
+cost a few percent: each consultation is scored by the tokens it gained over plain decoding in the same time
+(negative for a declined one), and while the recent consultations together lose, the draft is not even consulted
+for a growing number of tokens (exponential backoff). A useful draft that declines at unsure tokens keeps being
+consulted, because its drafted cycles win more than its declines cost.
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class CycleCostModel:
     backoff: int = 0  # tokens to decode plainly before consulting the draft again
     next_backoff: int = 1
     max_backoff: int = 32
+    # net tokens over plain decoding of the recent consultations (see `after_consultation`)
+    consultations: deque = field(default_factory=lambda: deque(maxlen=16))
 
     @classmethod
     def for_device(cls, device_type: str, dtype: torch.dtype) -> CycleCostModel:
@@ -130,9 +135,12 @@ class CycleCostModel:
         best = int(torch.argmax(rates))
         return best, float(probs[:best].sum())
 
-    def after_cycle(self, drafted: bool, paid_off: bool) -> None:
-        """Exponential backoff of draft consultations while drafting does not pay."""
-        if drafted and paid_off:
+    def after_consultation(self, net_tokens: float) -> None:
+        """Score a consultation -- tokens it produced minus what plain decoding would have produced in the same time
+        (`(accepted + 1) - seconds * plain_rate()` for a drafted cycle, `-draft_seconds * plain_rate()` for a
+        declined one) -- and back off exponentially while the recent consultations together lose."""
+        self.consultations.append(net_tokens)
+        if sum(self.consultations) >= 0.0:
             self.next_backoff = 1
             self.backoff = 0
         else:

@@ -222,10 +222,10 @@ def record_cycle(run: DecodeRun, plan: DraftPlan, n_nodes: int, accepted: int, v
     run.tree_sizes.append(n_nodes)
     if n_nodes > 1:
         cost.record_cycle(plan.predicted, accepted)
-        rate = (accepted + 1) / max(verify_s + plan.seconds, 1e-9)
-        cost.after_cycle(True, rate > cost.plain_rate())
-    elif plan.consulted and run.adaptive_tree:  # the draft was asked and drafting did not pay: back off
-        cost.after_cycle(False, False)
+    if plan.consulted and run.adaptive_tree:
+        # tokens gained over plain decoding in the same time: a declined consultation only cost its draft time
+        spent = plan.seconds + (verify_s if n_nodes > 1 else 0.0)
+        cost.after_consultation((accepted + 1 if n_nodes > 1 else 0) - spent * cost.plain_rate())
 
 
 # ------------------------------------------------------------------------------------------------
