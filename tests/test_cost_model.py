@@ -39,7 +39,19 @@ def test_calibration_discounts_an_overconfident_draft():
     for _ in range(20):
         cost.record_cycle(predicted=3.0, accepted=0)
     assert cost.calibration < 0.05
-    assert not cost.worth_drafting(top_probability=0.99)
+    assert not cost.worth_drafting(0.99)
+
+
+def test_worth_drafting_counts_every_depth_one_candidate_where_a_wide_verify_is_cheap():
+    # No candidate is likely (5% at best), but the best eight together are (16%): worth verifying where 9 nodes cost
+    # little more than one (bf16 on a CPU with bf16 units), not where every node adds a fifteenth of a token (fp32).
+    probs = torch.tensor([0.2, 0.1, 0.08, 0.07, 0.05, 0.05, 0.04, 0.04]) / 4
+    bf16, fp32 = CycleCostModel.for_device("cpu", torch.bfloat16), CycleCostModel.for_device("cpu", torch.float32)
+    for cost in (bf16, fp32):
+        for n in (1, 1, 9):
+            cost.verify.observe(n, 0.04 * cost.verify.prior_a + 0.04 * cost.verify.prior_b * n)  # on its prior line
+    assert bf16.worth_drafting(probs) and not fp32.worth_drafting(probs)
+    assert not bf16.worth_drafting(torch.tensor([0.005]))  # even a cheap verify needs some chance of a gain
 
 
 def test_backoff_doubles_while_consulting_loses_and_resets_when_it_pays():

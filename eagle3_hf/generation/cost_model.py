@@ -6,8 +6,9 @@ optimisation: verify the n best nodes maximising
 
     (1 + calibration * sum_{i<n} p_i) / (draft_cost + verify_cost(n + 1))
 
-where draft_cost is what the cycle's drafting actually took; before drafting, the draft is consulted only when
-its most likely token could pay for a draft step (`worth_drafting`). The
+where draft_cost is what the cycle's drafting actually took; a tree is started only when verifying some of the
+draft's best next tokens beats a plain step (`worth_drafting`), and grown a level only when that level's best
+node pays for its draft step (`worth_deeper`). The
 calibration factor (measured accepted / predicted accepted) corrects drafts that are over- or
 under-confident. Consulting the draft costs a draft step even when it then declines, so a poor draft would still
 cost a few percent: each consultation is scored by the tokens it gained over plain decoding in the same time
@@ -112,11 +113,15 @@ class CycleCostModel:
     def plain_rate(self) -> float:
         return 1.0 / self.verify(1)
 
-    def worth_drafting(self, top_probability: float) -> bool:
-        """Whether even the single most likely draft token pays for a draft step and a wider verify."""
-        gain = self.calibration * top_probability
-        rate = (1.0 + gain) / (self.draft_step(1) + self.verify(2))
-        return rate > self.plain_rate()
+    def worth_drafting(self, top_probabilities: torch.Tensor | float) -> bool:
+        """Whether verifying some of the draft's best next tokens (`top_probabilities`, most likely first) beats a
+        plain step. Those depth-1 candidates come from the draft output already computed, so they cost only the wider
+        verify; deeper levels must pay for their draft steps themselves (`worth_deeper`)."""
+        probs = torch.as_tensor(top_probabilities, dtype=torch.float64).flatten().cpu()
+        gains = self.calibration * torch.cumsum(probs, 0)  # verifying the best m candidates, m = 1..k
+        a, b = self.verify.coefficients()
+        nodes = torch.arange(2, probs.numel() + 2, dtype=torch.float64)  # root + m
+        return bool(((1.0 + gains) / (a + b * nodes)).max() > self.plain_rate())
 
     def worth_deeper(self, best_path_probability: float, nodes_so_far: int) -> bool:
         """Whether one more draft level can pay: its best node must be worth more than a draft step."""

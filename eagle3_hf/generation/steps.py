@@ -142,8 +142,9 @@ def draft_tree(run: DecodeRun, root: int) -> DraftPlan:
         flush_pending(run.draft, state)  # verified pairs since the last consultation; not a draft step
         t_tree = time.perf_counter()
         calls_before = state.forward_calls
-        top_p = float(torch.softmax(state.last_logits.float() / run.temperature, dim=-1).max())
-        if not run.adaptive_tree or cost.worth_drafting(top_p):
+        # the draft's best next tokens: the depth-1 candidates a tree would start from
+        top = torch.softmax(state.last_logits.float() / run.temperature, dim=-1).topk(budget.top_k).values
+        if not run.adaptive_tree or cost.worth_drafting(top):
             budget.grow = cost.worth_deeper if run.adaptive_tree else None
             if run.do_sample:
                 plan.tree = build_sampled_tree(run.draft, state, root, budget, run.temperature)
