@@ -49,7 +49,7 @@ def cycle_breakdown(seconds: float, tokens: int, cycles: int, prompts: int, pref
 # units of the decoded precision's spacing (ulp) at the top logit: the logits are rounded to that spacing, a tree
 # forward rounds differently from a one-token step, and the cache entries of accepted nodes carry those differences
 # into later steps. Measured in bf16: SmolLM2 (10 MT-bench prompts x 128 tokens, 32-node trees) flipped only at
-# 0.5-1.1 ulp, a tiny random 4-layer Llama with large weights at up to ~7 ulp. A flip at a wider margin is a bug.
+# 0.49-0.93 ulp, a tiny random 4-layer Llama with large weights at up to ~7 ulp. A flip at a wider margin is a bug.
 NEAR_TIE_ULPS = 16.0
 
 

@@ -12,6 +12,7 @@ from eagle3_hf.benchmark import (
     acceptance_by_depth,
     bench_configs,
     divergence,
+    format_markdown,
     format_table,
     read_prompts,
     run_benchmark,
@@ -206,3 +207,25 @@ def test_bf16_flips_happen_only_at_near_ties():
     flips = reports[torch.bfloat16]["divergences"]
     assert len(flips) == round(4 * (1 - reports[torch.bfloat16]["identical"]))  # one report per differing output
     assert all(0 <= d["margin_ulps"] < NEAR_TIE_ULPS for d in flips), flips
+
+
+def test_markdown_table_states_what_the_numbers_were_measured_on():
+    report = {
+        "tokens_per_s": {"plain_fp32": 20.0, "plain_bf16": 25.0, "eagle3_tree_bf16": 30.0},
+        "speedup_by_method": {"plain_fp32": 0.8, "plain_bf16": 1.0, "eagle3_tree_bf16": 1.2},
+        "fastest_plain": "plain_bf16", "speedup": 1.2, "speedup_same_precision": 1.2, "tau": 2.5,
+        "drafted_cycle_share": 0.5, "identical": 0.9,
+        "divergences": [{"margin_ulps": 0.6}, {"margin_ulps": 1.1}],
+        "environment": {"cpu": "Some Xeon", "machine": "x86_64", "cores": 2, "bf16_cpu_flags": ["amx_bf16"],
+                        "threads": 2, "torch": "2.13.0", "transformers": "5.24.0", "eagle3_hf": "0.1.0",
+                        "python": "3.11.9"},
+        "config": {"spec_dtype": "bf16", "prepacked": True, "num_prompts": 10, "max_new_tokens": 128,
+                   "repeats": 3, "prompts": "MT-bench turn 1, every 8th record"},
+    }  # fmt: skip
+    text = format_markdown(report)
+    assert "| `eagle3_tree_bf16` | 30.00 | 1.20x |" in text and "| `plain_fp32` | 20.00 | 0.80x |" in text
+    for fact in ("Some Xeon (x86_64, 2 cores; bf16 units: amx_bf16), 2 threads", "Speculative precision: bf16",
+                 "10 (MT-bench turn 1, every 8th record) x 128 new tokens", "3 repeats", "torch 2.13.0",
+                 "transformers 5.24.0", "eagle3_hf 0.1.0", "1.20x the fastest plain configuration (`plain_bf16`)",
+                 "top-2 margins of 0.60-1.10 ulp"):  # fmt: skip
+        assert fact in text, fact
