@@ -230,10 +230,17 @@ def _embeddings_match(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     return True
 
 
+def target_embedding(target: PreTrainedModel) -> torch.Tensor:
+    """The target's input embedding weight ``[V, H]``, whole: a target sharded with FSDP2 holds a slice of it per
+    process (a DTensor), gathered here (a collective: every process of the group must call this)."""
+    weight = target.get_input_embeddings().weight
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
 def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, replace: bool) -> None:
     """Give the draft the target's embedding where it has none; refuse one that differs unless `replace`."""
     config = draft.config
-    target_weight = target.get_input_embeddings().weight
+    target_weight = target_embedding(target)
     if not draft.embedding_loaded or replace:
         if config.hidden_size != config.target_hidden_size:
             raise ValueError(
