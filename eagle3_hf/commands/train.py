@@ -11,6 +11,7 @@ from transformers.trainer_utils import get_last_checkpoint, set_seed
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.training.distributed import check_fsdp_loading, init_distributed_from_launcher
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
 
@@ -47,6 +48,11 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="target dtype and mixed precision of the draft (its master weights stay float32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fsdp", nargs="?", const=True, default=None,
+                        help='FSDP2 under torchrun/accelerate launch, e.g. "full_shard auto_wrap" '
+                        "(TrainingArguments.fsdp); the frozen target is sharded as it loads")  # fmt: skip
+    parser.add_argument("--fsdp-config", default=None, help="JSON file: TrainingArguments.fsdp_config, e.g. "
+                        '{"state_dict_type": "SHARDED_STATE_DICT"}')  # fmt: skip
 
 
 def _run_train(args: Any) -> int:
@@ -64,7 +70,10 @@ def _run_train(args: Any) -> int:
         print(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
     else:
         _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-    target = load_target(args.target, dtype=dtype)
+    # Under FSDP (--fsdp, or an accelerate FSDP config) each process loads only its shard of the target.
+    fsdp = args.fsdp is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    check_fsdp_loading()
+    target = load_target(args.target, dtype=dtype, shard=fsdp and init_distributed_from_launcher()[1] > 1)
     if args.init_draft:
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
     else:
@@ -97,6 +106,7 @@ def _run_train(args: Any) -> int:
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, gradient_checkpointing=args.gradient_checkpointing,
         draft_vocab_size=args.draft_vocab_size, build_draft_vocab=False,
         use_cpu=not torch.cuda.is_available(),  # bf16 autocast on a CPU-only machine needs it said explicitly
+        fsdp=args.fsdp, fsdp_config=args.fsdp_config,
     )  # fmt: skip
     trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
     checkpoint = get_last_checkpoint(args.output) if args.resume and os.path.isdir(args.output) else None

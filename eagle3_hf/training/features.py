@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.training.distributed import barrier, distributed_rank
 from eagle3_hf.training.ttt import restrict_to_draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -254,38 +255,52 @@ def precompute_features(
     total = estimate_feature_bytes(manifest["num_tokens"], hidden, manifest["draft_vocab_size"], dtype, len(rows))
     needed = estimate_feature_bytes(pending_tokens, hidden, manifest["draft_vocab_size"], dtype, pending_samples)
     free = shutil.disk_usage(_existing_parent(output_dir)).free
-    print(
-        f"Offline features: {len(rows)} samples, {manifest['num_tokens']} tokens, about {_fmt_bytes(total)} in "
-        f"{dtype_name} ({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
-        f"{_fmt_bytes(free)} free in {_existing_parent(output_dir)}."
-    )
+    rank, world_size = distributed_rank()
+    if rank == 0:
+        print(
+            f"Offline features: {len(rows)} samples, {manifest['num_tokens']} tokens, about {_fmt_bytes(total)} in "
+            f"{dtype_name} ({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
+            f"{_fmt_bytes(free)} free in {_existing_parent(output_dir)}."
+        )
     if needed > free:
         raise ValueError(
             f"Not enough disk for the offline features: about {_fmt_bytes(needed)} are needed in {output_dir!r} but "
             f"only {_fmt_bytes(free)} are free. Use a smaller --draft-vocab-size, bfloat16, fewer or shorter samples, "
             "another folder, or online features (no disk)."
         )
-    os.makedirs(output_dir, exist_ok=True)
-    if not os.path.isfile(manifest_path):
-        save_file({"d2t": (torch.nonzero(t2d)[:, 0] - torch.arange(int(t2d.sum()))).contiguous(), "t2d": t2d},
-                  os.path.join(output_dir, VOCAB_NAME))  # fmt: skip
-        _write_json(manifest_path, manifest)  # last: a manifest means the folder is set up
+    barrier()  # every process has checked the folder before the first one changes it
+    if rank == 0:
+        _set_up_folder(output_dir, manifest, t2d)
+    barrier()
     device = next(target.parameters()).device
     t2d_device = t2d.to(device)
 
     def taps(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return select_target_features(hidden_states, layer_ids)
 
-    for name in os.listdir(output_dir):
-        if name.startswith(".shard_") and name.endswith(".tmp"):
-            os.remove(os.path.join(output_dir, name))  # left by a killed run
     was_training = target.training
     target.eval()
     try:
-        _write_shards(target, rows, spans, pending, output_dir, taps, t2d_device, dtype, batch_size, device)
+        # Process r of n writes every n-th missing shard: shards are named by their place in the data set, so the
+        # folder is the same whichever process wrote which shard.
+        mine = pending[rank::world_size]
+        _write_shards(target, rows, spans, mine, output_dir, taps, t2d_device, dtype, batch_size, device)
     finally:
         target.train(was_training)
+    barrier()  # the folder is complete when any process returns
     return [shard_path(output_dir, k) for k in range(len(spans))]
+
+
+def _set_up_folder(output_dir: str, manifest: dict, t2d: torch.Tensor) -> None:
+    """Create `output_dir` with its draft vocabulary and manifest (once), and drop temporaries of a killed run."""
+    os.makedirs(output_dir, exist_ok=True)
+    if not os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
+        save_file({"d2t": (torch.nonzero(t2d)[:, 0] - torch.arange(int(t2d.sum()))).contiguous(), "t2d": t2d},
+                  os.path.join(output_dir, VOCAB_NAME))  # fmt: skip
+        _write_json(os.path.join(output_dir, MANIFEST_NAME), manifest)  # last: a manifest means the folder is set up
+    for name in os.listdir(output_dir):
+        if name.startswith(".shard_") and name.endswith(".tmp"):
+            os.remove(os.path.join(output_dir, name))
 
 
 def _write_shards(
