@@ -91,7 +91,7 @@ def load_target(
     With `device_map` (e.g. ``"auto"``) accelerate places the layers over the visible devices (and CPU memory, then
     disk, when they do not fit) instead of moving the whole model to `device`. With `shard=True` the target is
     sharded with FSDP2 over the processes of the initialised torch.distributed group while it loads (transformers'
-    ``DistributedConfig(fsdp_size=world_size)``): each process reads and keeps about ``1/world_size`` of every
+    ``DistributedConfig(fsdp_size=world_size)``): each process keeps about ``1/world_size`` of every
     weight, on its own device; every process must then run each forward together.
 
     GGUF weights are dequantized by transformers into plain `dtype` tensors; the quantizer left on the model is

@@ -188,6 +188,10 @@ def precompute_features(
     `ValueError` is raised before anything is written. Rerunning with the same arguments skips complete shards;
     a folder holding features of other data or settings is refused. Returns the shard paths.
 
+    In an initialised torch.distributed group (`eagle3-hf features` under torchrun), every process runs this with the
+    same arguments: process r of N writes every N-th missing shard, process 0 the manifest and vocabulary, and each
+    returns once the folder is complete; it equals what one process writes.
+
     Example:
 
     ```python
@@ -269,15 +273,21 @@ def precompute_features(
             "another folder, or online features (no disk)."
         )
     barrier()  # every process has checked the folder before the first one changes it
-    if rank == 0:
-        _set_up_folder(output_dir, manifest, t2d)
-    barrier()
+    os.makedirs(output_dir, exist_ok=True)
+    if rank == 0 and not os.path.isfile(manifest_path):
+        save_file({"d2t": (torch.nonzero(t2d)[:, 0] - torch.arange(int(t2d.sum()))).contiguous(), "t2d": t2d},
+                  os.path.join(output_dir, VOCAB_NAME))  # fmt: skip
+        _write_json(manifest_path, manifest)  # last: a manifest means the folder is set up
     device = next(target.parameters()).device
     t2d_device = t2d.to(device)
 
     def taps(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return select_target_features(hidden_states, layer_ids)
 
+    for name in os.listdir(output_dir):
+        if rank == 0 and name.startswith(".shard_") and name.endswith(".tmp"):
+            os.remove(os.path.join(output_dir, name))  # left by a killed run
+    barrier()  # the folder is set up before any process writes a shard
     was_training = target.training
     target.eval()
     try:
@@ -289,18 +299,6 @@ def precompute_features(
         target.train(was_training)
     barrier()  # the folder is complete when any process returns
     return [shard_path(output_dir, k) for k in range(len(spans))]
-
-
-def _set_up_folder(output_dir: str, manifest: dict, t2d: torch.Tensor) -> None:
-    """Create `output_dir` with its draft vocabulary and manifest (once), and drop temporaries of a killed run."""
-    os.makedirs(output_dir, exist_ok=True)
-    if not os.path.isfile(os.path.join(output_dir, MANIFEST_NAME)):
-        save_file({"d2t": (torch.nonzero(t2d)[:, 0] - torch.arange(int(t2d.sum()))).contiguous(), "t2d": t2d},
-                  os.path.join(output_dir, VOCAB_NAME))  # fmt: skip
-        _write_json(os.path.join(output_dir, MANIFEST_NAME), manifest)  # last: a manifest means the folder is set up
-    for name in os.listdir(output_dir):
-        if name.startswith(".shard_") and name.endswith(".tmp"):
-            os.remove(os.path.join(output_dir, name))
 
 
 def _write_shards(
