@@ -336,6 +336,11 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     assert "Held out 5 of 12 conversations" in capsys.readouterr().out
     evals = [log for log in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_acc_0" in log]
     assert [log["step"] for log in evals] == [1, 2] and all("eval_coverage" in log for log in evals)
+    # `auto` counts the vocabulary on the 7 and measures its coverage on the 5 held out.
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(tmp_path / "auto"),
+                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "auto",
+                     "--held-out-fraction", "0.25"]) == 0  # fmt: skip
+    assert "(5 held-out conversations)" in capsys.readouterr().out
     # Continuing into a larger vocabulary: shared tokens keep their trained head rows, new ones get the target's.
     old = Eagle3DraftModel.from_pretrained(str(out))
     larger = tmp_path / "larger"
