@@ -302,10 +302,17 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert "Offline features: 22 samples" in capsys.readouterr().out  # several --features folders are joined
     assert torch.equal(Eagle3DraftModel.from_pretrained(str(offline)).t2d, draft.t2d)
     # A fresh draft on the same features: its vocabulary is counted on their tokens, or read from `eagle3-hf vocab`.
+    # Evaluated while training on features of the held-out conversations.
+    held_out = tmp_path / "held_out_features"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(held_out),
+                     "--split", "held-out"]) == 0  # fmt: skip
     fresh = tmp_path / "fresh"
     assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(fresh),
-                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "32"]) == 0  # fmt: skip
+                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "32", "--eval-features",
+                     str(held_out), "--eval-steps", "1"]) == 0  # fmt: skip
     assert Eagle3DraftModel.from_pretrained(str(fresh)).config.draft_vocab_size == 32
+    state = json.loads((fresh / "trainer_state.json").read_text())
+    assert any("eval_acc_0" in log and "eval_coverage" in log for log in state["log_history"])
     vocab_file = tmp_path / "vocab.safetensors"
     assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
                      "--draft-vocab-size", "40"]) == 0  # fmt: skip
@@ -329,6 +336,11 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     assert "Held out 5 of 12 conversations" in capsys.readouterr().out
     evals = [log for log in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_acc_0" in log]
     assert [log["step"] for log in evals] == [1, 2] and all("eval_coverage" in log for log in evals)
+    # `auto` counts the vocabulary on the 7 and measures its coverage on the 5 held out.
+    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(tmp_path / "auto"),
+                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "auto",
+                     "--held-out-fraction", "0.25"]) == 0  # fmt: skip
+    assert "(5 held-out conversations)" in capsys.readouterr().out
     # Continuing into a larger vocabulary: shared tokens keep their trained head rows, new ones get the target's.
     old = Eagle3DraftModel.from_pretrained(str(out))
     larger = tmp_path / "larger"

@@ -35,8 +35,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--ttt-length", type=int, default=7)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                        help="dtype of the target and the draft")  # fmt: skip
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the target and the draft (a GGUF target computes in float32 anyway)")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write {draft: metrics} here")
     parser.add_argument("--record", default=None, metavar="LABEL",

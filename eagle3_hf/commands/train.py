@@ -71,7 +71,10 @@ def add_cli_arguments(parser: Any) -> None:
 
 
 def _fresh_draft_vocab(args: Any, dataset: Any, target_vocab_size: int) -> DraftVocab | None:
-    """The vocabulary of a fresh draft: `--vocab`, or counted on the training data; None for the whole vocabulary."""
+    """The vocabulary of a fresh draft: `--vocab`, or counted on the training data; None for the whole vocabulary.
+
+    `dataset` is the offline features, or every tokenised conversation: `select_draft_vocab` counts the training ones
+    and measures coverage on the held-out ones."""
     if args.vocab:
         vocab = load_draft_vocab(args.vocab)
         if args.draft_vocab_size not in (None, vocab.draft_vocab_size):
@@ -112,7 +115,7 @@ def _run_train(args: Any) -> int:
     offline = args.features is not None
     eval_dataset = None
     if offline:
-        dataset = OfflineFeatureDataset(args.features)
+        dataset = vocab_rows = OfflineFeatureDataset(args.features)
         print(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
         if args.eval_features:
             eval_dataset = OfflineFeatureDataset(args.eval_features)
@@ -121,6 +124,7 @@ def _run_train(args: Any) -> int:
     else:
         _, everything, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
         dataset, held_out = split_held_out(everything, args.held_out_fraction)
+        vocab_rows = everything  # the vocabulary is counted on `dataset`; `held_out` measures its coverage
         print(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
         if args.eval_steps and len(held_out) == 0:
             raise ValueError("--eval-steps: no conversation is held out; raise --held-out-fraction or add data.")
@@ -130,13 +134,13 @@ def _run_train(args: Any) -> int:
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
         if args.vocab or args.draft_vocab_size not in (None, draft.config.draft_vocab_size):
             vocab_size = target.config.get_text_config().vocab_size
-            vocab = _fresh_draft_vocab(args, dataset, vocab_size)
+            vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
             d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
                 torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
             shared = remap_draft_vocab(draft, d2t, t2d, target if args.init_from_target else None)
             print(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
     else:
-        vocab = _fresh_draft_vocab(args, dataset, target.config.get_text_config().vocab_size)
+        vocab = _fresh_draft_vocab(args, vocab_rows, target.config.get_text_config().vocab_size)
         size = vocab.draft_vocab_size if vocab is not None else None
         overrides = {}
         if args.target_layer_ids:

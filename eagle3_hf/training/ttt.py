@@ -18,7 +18,7 @@ computes when it prefills the pairs up to ``t`` and then feeds its own state bac
 (``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask.
 
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
-positions; total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S`` instead, which makes the loss scale
+positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S`` instead, which makes the loss scale
 (hence the effective learning rate) depend on prompt length and padding; a per-supervised-token mean does not. As
 in the official code and SpecForge, positions whose target top token lies outside the draft vocabulary carry no
 loss: greedy verification rejects every draft token there, so training them towards the best in-vocabulary token
@@ -52,7 +52,7 @@ class TTTOutput(ModelOutput):
 
     Args:
         loss: scalar, ``sum_j decay**j * step_losses[j]`` (carries the graph).
-        step_losses: ``[K]`` detached per-step losses (mean over supervised positions; 0 where none).
+        step_losses: ``[K]`` detached per-step losses (mean over the supervised in-vocabulary positions; 0 if none).
         step_correct: ``[K]`` supervised positions where the draft's top token (as a target id) is the target's
             top token over its full vocabulary.
         step_supervised: ``[K]`` number of supervised positions per step.
