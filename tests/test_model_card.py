@@ -108,7 +108,8 @@ def test_trainer_writes_our_card_not_the_stock_one(draft, tmp_path):
     args = Eagle3TrainingArguments(str(tmp_path), max_steps=1, report_to="none", use_cpu=True,
                                    feature_mode="offline", build_draft_vocab=False)  # fmt: skip
     trainer = Eagle3Trainer(draft, args, train_dataset=rows.map(lambda r: {
-        "target_hidden_states": [[0.0] * 192] * 4, "target_logits": [[0.0] * 96] * 4}))  # fmt: skip
+        "target_hidden_states": [[0.0] * 192] * 4, "target_top_logits": [[0.0] * 4] * 4,
+        "target_top_ids": [[0, 1, 2, 3]] * 4}))  # fmt: skip
     trainer.create_model_card(model_name="x", dataset="y")
     card = ModelCard.load(tmp_path / "README.md")
     check_metadata(card)
