@@ -1,28 +1,52 @@
 """EAGLE-3 speculative decoding for Hugging Face transformers.
 
-Importing the package registers `Eagle3DraftConfig` / `Eagle3DraftModel` with `AutoConfig` and
-`AutoModel` (model_type "eagle3_draft"); that is its only side effect.
+The public names load on first use (PEP 562), so that `import eagle3_hf` and `eagle3-hf --help` stay instant: torch
+and transformers are imported only when a name such as `Eagle3DraftModel` is first read. That first read registers
+`Eagle3DraftConfig` / `Eagle3DraftModel` with `AutoConfig` and `AutoModel` (model_type "eagle3_draft") and imports
+`eagle3_hf.generation`, which makes `Eagle3DraftModel.bind` route `generate()` to EAGLE-3; that is the package's
+only side effect.
 """
 
-from transformers import AutoConfig, AutoModel
+from __future__ import annotations
 
-from eagle3_hf.modeling.configuration_eagle3 import SUPPORTED_LAYER_TYPES, Eagle3DraftConfig, default_target_layer_ids
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, Eagle3DraftOutput, Eagle3PreTrainedModel
-
-# Registers `bind_target` as what `Eagle3DraftModel.bind` runs (the model does not import generation).
-from eagle3_hf import generation as _generation  # noqa: E402,F401
+from typing import Any
 
 __version__ = "0.1.0"
 
-AutoConfig.register(Eagle3DraftConfig.model_type, Eagle3DraftConfig, exist_ok=True)
-AutoModel.register(Eagle3DraftConfig, Eagle3DraftModel, exist_ok=True)
+# public name -> module that defines it
+_PUBLIC = {
+    "SUPPORTED_LAYER_TYPES": "eagle3_hf.modeling.configuration_eagle3",
+    "Eagle3DraftConfig": "eagle3_hf.modeling.configuration_eagle3",
+    "default_target_layer_ids": "eagle3_hf.modeling.configuration_eagle3",
+    "Eagle3DraftModel": "eagle3_hf.modeling.modeling_eagle3",
+    "Eagle3DraftOutput": "eagle3_hf.modeling.modeling_eagle3",
+    "Eagle3PreTrainedModel": "eagle3_hf.modeling.modeling_eagle3",
+}
 
-__all__ = [
-    "SUPPORTED_LAYER_TYPES",
-    "Eagle3DraftConfig",
-    "Eagle3DraftModel",
-    "Eagle3DraftOutput",
-    "Eagle3PreTrainedModel",
-    "default_target_layer_ids",
-    "__version__",
-]
+__all__ = [*sorted(_PUBLIC), "__version__"]
+
+
+def _load() -> None:
+    """Import the model, register it with the Auto classes, and register generation's `bind`."""
+    from transformers import AutoConfig, AutoModel
+
+    from eagle3_hf import generation as _generation  # noqa: F401  (registers `bind_target`)
+    from eagle3_hf.modeling import configuration_eagle3, modeling_eagle3
+
+    AutoConfig.register(configuration_eagle3.Eagle3DraftConfig.model_type, configuration_eagle3.Eagle3DraftConfig,
+                        exist_ok=True)  # fmt: skip
+    AutoModel.register(configuration_eagle3.Eagle3DraftConfig, modeling_eagle3.Eagle3DraftModel, exist_ok=True)
+    modules = {"eagle3_hf.modeling.configuration_eagle3": configuration_eagle3,
+               "eagle3_hf.modeling.modeling_eagle3": modeling_eagle3}  # fmt: skip
+    globals().update({name: getattr(modules[module], name) for name, module in _PUBLIC.items()})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module 'eagle3_hf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,4 +1,5 @@
-"""`eagle3-hf bench`: plain greedy, prompt lookup, EAGLE-3 chain and EAGLE-3 tree, side by side.
+"""The benchmark behind `eagle3-hf bench` (`eagle3_hf.commands.bench`): plain greedy, prompt lookup, EAGLE-3
+chain and EAGLE-3 tree, side by side.
 
 All methods run in one process after a warm-up, interleaved per prompt (these machines are noisy:
 interleaving spreads any slowdown over every method), with the torch thread count fixed and
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eagle3_hf.model_card import card_fields, format_rates, render_model_card
+from eagle3_hf.model_card import format_rates
 
 METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
 
@@ -223,14 +224,14 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_acceptance(report: dict[str, Any], path: str) -> None:
+def plot_acceptance(report: dict[str, Any], path: str, fmt: str | None = None) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib).") from err
+        raise ValueError("--plot needs matplotlib: pip install 'eagle3-hf[plot]' (or matplotlib).") from err
     rates = report["acceptance_by_depth"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(range(1, len(rates) + 1), [0.0 if a is None else a for a in rates])
@@ -242,73 +243,4 @@ def plot_acceptance(report: dict[str, Any], path: str) -> None:
     ax.set_ylim(0, 1)
     ax.set_title(f"EAGLE-3 acceptance by depth (tau {report.get('tau', 0):.2f})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
-    parser.add_argument("--draft", default=None, help="draft folder (default: the draft shipped for the target)")
-    parser.add_argument("--prompts", default=None, help="MT-bench question.jsonl, or JSONL with prompt/messages")
-    parser.add_argument("--num-prompts", type=int, default=10)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steady on a busy machine)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--tree-depth", type=int, default=None)
-    parser.add_argument("--tree-top-k", type=int, default=None)
-    parser.add_argument("--tree-total-tokens", type=int, default=None)
-    parser.add_argument("--json", default=None, help="write the report here")
-    parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here")
-    parser.add_argument(
-        "--model-card", action="store_true",
-        help="write README.md (from model_cards/TEMPLATE.md) into the --draft folder",
-    )
-
-
-def run_cli(args: Any) -> int:
-    from eagle3_hf.hub import default_prompts_path, load_draft_for
-    from eagle3_hf.targets import load_target, load_tokenizer
-
-    torch.set_num_threads(args.threads)
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"eagle3-hf bench: unknown method(s) {unknown}; choose from {list(METHODS)}")
-    dtype = getattr(torch, args.dtype)
-    target = load_target(args.target, dtype=dtype, device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    draft = load_draft_for(args.target, target, args.draft)
-    prompts = read_prompts(args.prompts or default_prompts_path(), tokenizer, args.num_prompts)
-    tree_kwargs = {
-        k: v
-        for k, v in {
-            "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens
-        }.items()
-        if v is not None
-    }
-    report = run_benchmark(target, draft, prompts, args.max_new_tokens, args.temperature, tree_kwargs, methods)
-    report["config"] = {
-        "target": args.target, "draft": args.draft or "(shipped)", "dtype": args.dtype, "device": args.device,
-        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        **tree_kwargs,
-    }
-    report["environment"] = environment()
-    print(format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot and "acceptance_by_depth" in report:
-        plot_acceptance(report, args.plot)
-    if args.model_card:
-        if not args.draft or args.draft == "random":
-            raise SystemExit("eagle3-hf bench: --model-card needs --draft FOLDER (the draft to describe).")
-        shown = ("target", "draft", "num_prompts", "max_new_tokens", "dtype")
-        command = "eagle3-hf bench " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown
-        )
-        card = render_model_card(card_fields(args.draft, report, bench_command=command))
-        with open(os.path.join(args.draft, "README.md"), "w") as f:
-            f.write(card)
-    return 0
+    fig.savefig(path, dpi=120, format=fmt)  # fmt: the file name may not say (a temporary name)

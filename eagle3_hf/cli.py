@@ -1,19 +1,24 @@
 """`eagle3-hf` command line: one subcommand per step of the data flow.
 
-Each subcommand has a module in `eagle3_hf.commands` (`bench`: `eagle3_hf.benchmark`); the module exposes
-`add_cli_arguments(parser)` and `run_cli(args) -> int`. Every subcommand accepts
-`--config FILE` (JSON or YAML mapping of option names to values; command-line flags win).
+Each subcommand has a module in `eagle3_hf.commands`, which exposes `add_cli_arguments(parser)` and
+`run_cli(args) -> int` (or, for `train`, its own `parse_cli`). Every subcommand accepts `--config FILE` (a JSON or
+YAML mapping of option names to values, required options included; flags given on the command line win).
+
+Errors a user can fix (a wrong path or value, a missing package, a mismatched draft) print one line
+`eagle3-hf COMMAND: error: ...` and exit with code 2; `--debug` shows the traceback instead. Nothing here imports
+torch or transformers: the subcommands do, when they run, so that `--help` and `--version` are instant.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from importlib import metadata
+
+from eagle3_hf import __version__
+from eagle3_hf.commands import CommandParser, apply_config, load_config_file, split_config
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -23,30 +28,35 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("eagle3_hf.commands.train", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
     "evaluate": ("eagle3_hf.commands.evaluate", "full-vocabulary TTT accuracy of drafts on held-out conversations"),
     "generate": ("eagle3_hf.commands.generate", "generate with a target and its EAGLE-3 draft"),
-    "bench": ("eagle3_hf.benchmark", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
-    "convert": ("eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"),
+    "bench": ("eagle3_hf.commands.bench", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
+    "convert": (
+        "eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"
+    ),
 }
+# Errors that come from what the user typed or has installed: one line, exit code 2.
+USER_ERRORS = (ValueError, ImportError, OSError)
+DEBUG_FLAG = "--debug"
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a `--config` file: a JSON (or YAML, when PyYAML is installed) mapping of option -> value."""
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
+def version_line() -> str:
+    """`eagle3-hf X (transformers Y, torch Z)`, read from the installed metadata without importing them."""
+    found = []
+    for name in ("transformers", "torch"):
         try:
-            import yaml
-        except ImportError as err:
-            raise ValueError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or use JSON.") from err
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path} must hold a mapping of option names to values, got {type(data).__name__}.")
-    return {key.replace("-", "_"): value for key, value in data.items()}
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return f"eagle3-hf {__version__} ({', '.join(found)})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand's own options are added only when it runs (cheap `--help`)."""
-    parser = argparse.ArgumentParser(prog="eagle3-hf", description="EAGLE-3 speculative decoding for transformers.")
+    parser = CommandParser(
+        prog="eagle3-hf", description="EAGLE-3 speculative decoding for transformers.",
+        epilog=f"Run `eagle3-hf COMMAND --help` for a command's options. {DEBUG_FLAG} (anywhere) shows the traceback "
+               "of an error instead of one line.",
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -55,39 +65,63 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_subparser(command: str) -> argparse.ArgumentParser:
     module_name, help_text = SUBCOMMANDS[command]
-    parser = argparse.ArgumentParser(prog=f"eagle3-hf {command}", description=help_text)
+    parser = CommandParser(prog=f"eagle3-hf {command}", description=help_text)
     parser.add_argument("--config", default=None, help="JSON/YAML file of option values (flags given here win)")
     importlib.import_module(module_name).add_cli_arguments(parser)
     return parser
 
 
+def parse_command(command: str, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a subcommand's arguments, `--config` file included."""
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    if hasattr(module, "parse_cli"):  # `train`: an HfArgumentParser over TrainingArguments
+        return module.parse_cli(argv)
+    config, rest = split_config(argv)
+    parser = build_subparser(command)
+    if config is not None:
+        apply_config(parser, load_config_file(config), config)
+    return parser.parse_args(rest)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
     top = build_parser()
-    if not argv or argv[0] in ("-h", "--help"):
-        top.print_help()
-        return 0 if argv else 2
+    if not argv or argv[0].startswith("-"):
+        if not argv:
+            top.print_help()
+            return 2
+        top.parse_args(argv)  # --help, --version, or an error
+        return 2
     command, rest = argv[0], argv[1:]
     if command not in SUBCOMMANDS:
         top.error(f"unknown command {command!r}; choose from {', '.join(SUBCOMMANDS)}")
-    parser = build_subparser(command)
-    args = parser.parse_args(rest)
-    if args.config:
-        # Re-parse with the file's values as defaults so explicit flags still win.
-        values = load_config_file(args.config)
-        known = {action.dest for action in parser._actions}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            parser.error(f"unknown option(s) in {args.config}: {', '.join(unknown)}")
-        parser.set_defaults(**values)
-        args = parser.parse_args(rest)
-    module = importlib.import_module(SUBCOMMANDS[command][0])
     try:
+        args = parse_command(command, rest)
+        module = importlib.import_module(SUBCOMMANDS[command][0])
         return int(module.run_cli(args) or 0)
-    except (ValueError, ImportError, FileNotFoundError) as err:
-        # Bad input (a wrong path, a missing data package, a mismatched draft): one clear line, no traceback.
-        print(f"eagle3-hf {command}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"eagle3-hf {command}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(f"eagle3-hf {command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:  # a bug rather than bad input: still one line, and how to see more
+        if debug:
+            raise
+        print(f"eagle3-hf {command}: error: {type(err).__name__}: {_one_line(err)} (run again with {DEBUG_FLAG} "
+              "for the traceback)", file=sys.stderr)  # fmt: skip
+        return 1
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def shipped_draft_path(target_name: str) -> str:
 
 def load_draft_for(target_name: str, target: Any, draft: str | None = None) -> Any:
     """The draft to use with `target`: a folder, the shipped one (`None`), or a fresh random one (`"random"`)."""
-    from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+    from eagle3_hf import Eagle3DraftModel
 
     if draft == RANDOM_DRAFT:
         return Eagle3DraftModel.from_target(target).eval()

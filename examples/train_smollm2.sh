@@ -45,10 +45,10 @@ eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca
 # 3. The one evaluation on the held-out conversations and on MT-bench turn 1 answered by the target.
 tar xzf examples/data/smollm2_mtbench_turn1_regen.tar.gz -C "$OUT"
 eagle3-hf evaluate --target smollm2 --draft "$OUT/draft_smollm2" --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca" \
-  --record "held-out regenerated ShareGPT and Alpaca" --json "$OUT/eval_heldout.json"
+  --record "held-out regenerated ShareGPT and Alpaca" --json "$OUT/eval_heldout.json" --overwrite-output-dir
 eagle3-hf evaluate --target smollm2 --draft "$OUT/draft_smollm2" --data "$OUT/regen_mtbench" --split all \
-  --record "MT-bench turn 1 (80 questions, the target's answers)" --json "$OUT/eval_mtbench.json"
+  --record "MT-bench turn 1 (80 questions, the target's answers)" --json "$OUT/eval_mtbench.json" --overwrite-output-dir
 
 # 4. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
 eagle3-hf bench --target smollm2 --draft "$OUT/draft_smollm2" --num-prompts 10 --max-new-tokens 128 \
-  --json "$OUT/bench.json" --plot "$OUT/acceptance.png"
+  --json "$OUT/bench.json" --plot "$OUT/acceptance.png" --overwrite-output-dir

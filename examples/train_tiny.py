@@ -2,7 +2,7 @@
 
     python examples/train_tiny.py --output tiny_draft
     python examples/train_tiny.py --output tiny_draft --offline          # precomputed features
-    accelerate launch --num_processes 2 --cpu examples/train_tiny.py --output tiny_draft
+    accelerate launch --multi_gpu --num_processes 2 examples/train_tiny.py --output tiny_draft   # 2 processes, CPU too
 
 The target is a random 8-layer Llama whose head is sharpened so that its next-token choice is a clear function of
 the context; the data are arithmetic token sequences (a 4-token prompt, then supervised "assistant" tokens). The

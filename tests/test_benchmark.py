@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.benchmark import acceptance_by_depth, format_table, read_prompts, run_benchmark
-from eagle3_hf.model_card import card_fields, format_rates, render_model_card
+from eagle3_hf.model_card import format_rates
 
 
 def test_acceptance_by_depth_hand_computed():
@@ -75,21 +75,11 @@ def test_tiny_benchmark_reports_every_method():
     assert row == ["eagle3_chain", f"{chain_only['tokens_per_s']['eagle3_chain']:.2f}", "-"]  # no plain: no ratio
 
 
-def test_model_card_fills_fields_and_marks_missing(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps({"target_name_or_path": "smollm2", "target_layer_ids": [2, 15, 27], "draft_vocab_size": 8192,
-                    "vocab_size": 49152})
-    )
-    report = {"tau": 3.456, "speedup": 2.01, "identical": 1.0, "environment": {"cpu": "x86_64", "threads": 1},
-              "tau_chain": 2.5, "acceptance_by_depth": [0.7, 0.6, None],
-              "config": {"dtype": "float32", "num_prompts": 10, "max_new_tokens": 128}}
-    card = render_model_card(card_fields(str(tmp_path), report, bench_command="eagle3-hf bench"))
-    assert "# EAGLE-3 draft for smollm2" in card
-    assert "| 3.46 | 2.01x | 100% |" in card
-    assert "tau 2.50; acceptance by depth (n-alpha) 0.70 / 0.60 / n/a." in card
-    assert "| x86_64 (1 thread) | float32 |" in card
-    assert "8192 of 49152 tokens" in card
-    assert "revision `n/a`" in card  # nothing known about it: said so, not invented
+def test_bench_command_lists_the_benchmark_methods():
+    from eagle3_hf.benchmark import METHODS
+    from eagle3_hf.commands.bench import METHODS as CHOICES
+
+    assert CHOICES == METHODS
 
 
 def test_hub_finds_the_shipped_draft_and_prompts():

@@ -150,12 +150,61 @@ def test_read_folder_of_shards_ignores_temporary_files(tmp_path):
     assert [c["id"] for c in read_conversations(tmp_path)] == ["a", "b"]
 
 
+def test_every_data_format_reads_through_datasets_without_the_network(tmp_path, monkeypatch):
+    # JSON, JSON Lines, gzip-compressed JSON Lines, parquet, a folder of shards and a Dataset all give the same
+    # conversations; no socket is opened on the way (an offline run never tries the Hub).
+    import gzip
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"tried the network: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    records = [
+        {"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(4)
+    ]
+    expected = read_conversations(records)
+    (tmp_path / "list.json").write_text(json.dumps(records))
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "lines.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "lines.jsonl.gz", "wt") as f:
+        f.write(lines)
+    Dataset.from_list(records).to_parquet(str(tmp_path / "table.parquet"))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i, record in enumerate(records):  # name order, not write order
+        (shards / f"part-{3 - i}.jsonl.gz").write_bytes(gzip.compress((json.dumps(records[3 - i]) + "\n").encode()))
+    (shards / ".part-9.jsonl.gz.tmp").write_text("{half")  # a shard being written is skipped
+    parquet_shards = tmp_path / "parquet_shards"
+    parquet_shards.mkdir()
+    for i in range(2):
+        Dataset.from_list(records[2 * i : 2 * i + 2]).to_parquet(str(parquet_shards / f"{i:03d}.parquet"))
+    for source in ("list.json", "lines.jsonl", "lines.jsonl.gz", "table.parquet", "shards", "parquet_shards"):
+        assert read_conversations(tmp_path / source) == expected, source
+    assert read_conversations(Dataset.from_list(records)) == expected
+    assert read_conversations(tmp_path / "table.parquet", limit=3) == expected[:3]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text(lines)
+    Dataset.from_list(records).to_parquet(str(mixed / "b.parquet"))
+    with pytest.raises(ValueError, match="mixes JSON and parquet"):
+        read_conversations(mixed)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="No such file or folder: 'someone/chats'.*the Hub is offline"):
+        read_conversations("someone/chats")
+
+
 def test_read_rejects_bad_sources(tmp_path):
     (tmp_path / "obj.json").write_text('{"data": []}')
-    with pytest.raises(ValueError, match="does not hold a JSON list"):
+    with pytest.raises(ValueError, match=r"record 0 has keys \['data'\]; accepted formats"):
         read_conversations(tmp_path / "obj.json")
+    (tmp_path / "text.json").write_text("hello")
+    with pytest.raises(ValueError, match="does not hold JSON records"):
+        read_conversations(tmp_path / "text.json")
     (tmp_path / "data.csv").write_text("a,b")
-    with pytest.raises(ValueError, match="expected a .json list, a .jsonl file"):
+    with pytest.raises(ValueError, match=r"expected a \.jsonl, \.json, \.jsonl\.gz, \.json\.gz, \.parquet file"):
         read_conversations(tmp_path / "data.csv")
     (tmp_path / "bad.jsonl").write_text('{"messages": []}\n{oops\n')
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
@@ -164,7 +213,7 @@ def test_read_rejects_bad_sources(tmp_path):
         read_conversations(tmp_path / "missing.json")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match="holds no shard_"):
+    with pytest.raises(ValueError, match="holds no data files"):
         read_conversations(empty)
     with pytest.raises(ValueError, match="limit must be None or >= 0, got -1"):
         read_conversations([], limit=-1)

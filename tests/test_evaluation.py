@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.model_card import card_fields
+from eagle3_hf.model_card import bench_card
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import simulated_acceptance_length
@@ -59,12 +59,12 @@ def test_evaluate_command_and_the_model_card(chat_target, tmp_path, capsys):
     # --record keeps the numbers with the draft, and its model card shows them.
     recorded = json.loads((draft_dir / "evaluation.json").read_text())
     assert recorded["MT-bench turn 1"]["acc_0"] == metrics["acc_0"]
-    fields = card_fields(str(draft_dir))
-    assert "MT-bench turn 1" in fields["evaluation"] and f"{metrics['acc_0']:.3f}" in fields["evaluation"]
+    card = bench_card(str(draft_dir)).text
+    assert "| MT-bench turn 1 |" in card and f"{metrics['acc_0']:.3f}" in card
     # The held-out split (2% by id hash) of these twelve is one conversation (sum-3); at 0.5% there is none, and the
     # evaluation says so instead of scoring nothing.
     assert cli_main(["evaluate", "--target", str(folder), "--draft", str(draft_dir), "--data", str(data),
-                     "--dtype", "float32", "--ttt-length", "2", "--json", str(out)]) == 0  # fmt: skip
+                     "--dtype", "float32", "--ttt-length", "2", "--json", str(out), "--overwrite-output-dir"]) == 0
     assert json.loads(out.read_text())[str(draft_dir)]["conversations"] == 1
     assert cli_main(["evaluate", "--target", str(folder), "--draft", str(draft_dir), "--data", str(data),
                      "--dtype", "float32", "--held-out-fraction", "0.005"]) == 2  # fmt: skip

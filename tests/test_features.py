@@ -187,9 +187,14 @@ def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
     assert "0 of 3 shards" in capsys.readouterr().out
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
-    assert cli_main(["vocab", "--target", str(folder), "--data", str(prompts), "--output", str(vocab_file),
+    written = vocab_file.read_bytes()
+    assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
                      "--draft-vocab-size", "64"]) == 2  # fmt: skip
+    assert "already exists; pass --overwrite-output-dir" in capsys.readouterr().err
+    assert cli_main(["vocab", "--target", str(folder), "--data", str(prompts), "--output", str(vocab_file),
+                     "--draft-vocab-size", "64", "--overwrite-output-dir"]) == 2  # fmt: skip
     assert "has an assistant turn" in capsys.readouterr().err
+    assert vocab_file.read_bytes() == written  # a failed run leaves the earlier file whole
     shutil.rmtree(out)
 
 

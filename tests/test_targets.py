@@ -62,8 +62,17 @@ def test_resolve_local_paths(tmp_path):
     (hf_dir / "extra.gguf").write_bytes(b"")
     assert resolve_target(str(hf_dir)) == (str(hf_dir), None)
 
-    assert resolve_target("some-org/some-model") == ("some-org/some-model", None)
-    assert resolve_target(str(tmp_path / "missing")) == (str(tmp_path / "missing"), None)
+    assert resolve_target("some-org/some-model") == ("some-org/some-model", None)  # a Hub id passes through
+    # A missing path, an unknown short name and a folder without a model fail at once, saying what is accepted.
+    with pytest.raises(ValueError, match="Unknown target .*missing': no such file or folder; expected a short name"):
+        resolve_target(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="Did you mean 'smollm2'"):
+        resolve_target("SmolLM-2")
+    with pytest.raises(ValueError, match="holds neither config.json nor a .gguf file"):
+        resolve_target(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file but not a .gguf file"):
+        resolve_target(str(tmp_path / "weights.bin"))
 
 
 def test_resolve_rejects_ambiguous_or_empty_input(tmp_path):
@@ -149,7 +158,7 @@ def test_load_smollm2_gguf_saves_as_plain_checkpoint(tmp_path):
     # About 20 s: dequantizes the real GGUF.
     assert load_tokenizer(SMOLLM2).name_or_path == SMOLLM2
     model = load_target(SMOLLM2)
-    assert model.config._name_or_path == SMOLLM2
+    assert model.config._name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub id the short name stands for
     assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
     model.save_pretrained(tmp_path)

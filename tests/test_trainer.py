@@ -364,8 +364,9 @@ def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):
     (out / "keep.txt").write_text("earlier work")
 
     def run(*extra, target=folder, data_file=data):
+        # --overwrite-output-dir: get past the guard on the non-empty folder, to the checks of the input
         code = cli_main(["train", "--target", str(target), "--data", str(data_file), "--output", str(out),
-                         "--max-steps", "1", *extra])  # fmt: skip
+                         "--max-steps", "1", "--overwrite-output-dir", *extra])  # fmt: skip
         return code, capsys.readouterr().err
 
     unknown = tmp_path / "unknown.jsonl"

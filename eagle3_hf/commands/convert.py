@@ -1,63 +1,76 @@
 """`eagle3-hf convert`: rewrite a draft checkpoint in another layout (`eagle3_hf.modeling.checkpoints`).
 
-    eagle3-hf convert SRC DST --to {native,speculators,eagle} [--target PATH_OR_NAME] [--include-embedding]
+    eagle3-hf convert SRC DST --to {native,speculators,eagle} [--target PATH_OR_NAME] [--target-id ORG/NAME]
+        [--include-embedding] [--overwrite-output-dir]
+
+DST is written to a temporary sibling folder and renamed into place once complete; an existing non-empty DST is
+replaced only with `--overwrite-output-dir`, and never when it is SRC (or holds it).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from eagle3_hf.modeling.checkpoints import load_draft
-from eagle3_hf.modeling.layouts import (
-    EAGLE,
-    LAYOUTS,
-    NATIVE,
-    SPECULATORS,
-    resolve_include_embedding,
-    save_eagle,
-    save_speculators,
-)
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.targets import load_target
+from eagle3_hf.commands import say
+
+LAYOUTS = ("native", "speculators", "eagle")  # eagle3_hf.modeling.layouts.LAYOUTS, spelt out so --help stays light
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="draft checkpoint: a folder or Hub id in any supported layout (detected)")
-    parser.add_argument("dst", help="output folder")
+    parser.add_argument("dst", help="output folder (missing or empty, or --overwrite-output-dir)")
     parser.add_argument(
-        "--to", choices=LAYOUTS, default=NATIVE,
+        "--to", choices=LAYOUTS, default="native",
         help="layout to write: native (ours), speculators (vLLM speculators) or eagle (official SafeAILab/SpecForge)",
     )  # fmt: skip
     parser.add_argument(
         "--target", default=None,
-        help="target model (short name such as 'smollm2', or a folder): checks the draft against it and supplies "
-             "its embedding when the checkpoint has none",
+        help="target model (short name such as 'smollm2', a folder, a .gguf file): checks the draft against it and "
+             "supplies its embedding (in the target's precision) and architectures; needed for speculators when the "
+             "checkpoint has no embedding",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target-id", default=None,
+        help="the target's Hub id (org/name) to record, e.g. in the speculators config's verifier (default: what "
+             "the draft records, or the id of a known short name)",
     )  # fmt: skip
     parser.add_argument(
         "--include-embedding", action="store_true",
         help="write the token embedding; the official layout omits it otherwise (native and speculators write it "
              "whenever it is known)",
     )  # fmt: skip
+    parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing non-empty DST")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        target = None
-        if args.target:
-            target = load_target(args.target)
-        # dtype "auto": keep the checkpoint's dtype so that the conversion is bit for bit.
-        draft = load_draft(Eagle3DraftModel, args.src, target=target, dtype="auto")
-        include = True if args.include_embedding else None
+    from eagle3_hf.outputs import check_output_dir, staged_dir
+
+    check_output_dir(args.dst, args.overwrite_output_dir, "DST", source=args.src)
+    from eagle3_hf import Eagle3DraftModel
+    from eagle3_hf.modeling.identity import is_hub_id
+    from eagle3_hf.modeling.layouts import EAGLE, SPECULATORS, resolve_include_embedding, save_eagle, save_speculators
+    from eagle3_hf.targets import load_target, resolve_target, target_hub_id
+
+    if args.target_id is not None and not is_hub_id(args.target_id):
+        raise ValueError(f"--target-id {args.target_id!r} is not a Hub id; expected 'org/name'.")
+    target = None
+    if args.target:
+        resolve_target(args.target)
+        target = load_target(args.target, dtype="auto")  # its own precision: the exported embedding keeps it
+    # dtype "auto": keep the checkpoint's dtype so that the conversion is bit for bit.
+    draft = Eagle3DraftModel.from_pretrained(args.src, target=target, dtype="auto")
+    recorded = draft.config.target_name_or_path
+    target_id = args.target_id or (target_hub_id(recorded) if recorded else None)
+    if target_id:
+        draft.config.target_name_or_path = target_id
+    include = True if args.include_embedding else None
+    with staged_dir(args.dst) as folder:
         if args.to == SPECULATORS:
-            save_speculators(draft, args.dst, include_embedding=include)
+            embedding = target.get_input_embeddings().weight if target is not None else None
+            save_speculators(draft, folder, include_embedding=include, embedding=embedding)
         elif args.to == EAGLE:
-            save_eagle(draft, args.dst, include_embedding=bool(include))
+            save_eagle(draft, folder, include_embedding=bool(include))
         else:
-            resolve_include_embedding(draft, include)
-            draft.save_pretrained(args.dst)
-    except ValueError as err:
-        print(f"eagle3-hf convert: error: {err}", file=sys.stderr)
-        return 2
-    print(f"Wrote {args.to} draft to {args.dst}")
+            draft.save_pretrained(folder, include_embedding=resolve_include_embedding(draft, include))
+    say(f"Wrote the {args.to} draft to {args.dst}")
     return 0

@@ -12,13 +12,8 @@ import json
 import os
 import sys
 
-import torch
-
-from eagle3_hf.hub import load_draft_for, shipped_draft_path
 from eagle3_hf.model_card import EVALUATION_NAME, format_evaluation_table
-from eagle3_hf.targets import load_target, load_tokenised_data
-from eagle3_hf.training.evaluation import evaluate_draft
-from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_filter
+from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +34,24 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype of the target and the draft (a GGUF target computes in float32 anyway)")  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="write {draft: metrics} here")
+    parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --json file")
     parser.add_argument("--record", default=None, metavar="LABEL",
                         help=f"also keep the metrics in each draft folder's {EVALUATION_NAME} under LABEL (e.g. "
                         "'MT-bench turn 1'); its model card shows them")  # fmt: skip
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from eagle3_hf.outputs import check_output_file, staged_file
+
+    if args.json:
+        check_output_file(args.json, args.overwrite_output_dir, "--json")
+    import torch
+
+    from eagle3_hf.hub import load_draft_for, shipped_draft_path
+    from eagle3_hf.targets import load_target, load_tokenised_data
+    from eagle3_hf.training.evaluation import evaluate_draft
+    from eagle3_hf.training.split import split_filter
+
     try:
         select = split_filter(args.split, args.held_out_fraction)
         _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
@@ -62,7 +69,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     print(format_evaluation_table(results, first_column="draft"))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with staged_file(args.json) as temporary, open(temporary, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
     return 0
 

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-import torch
-
-from eagle3_hf.targets import load_target, load_tokenised_data
-from eagle3_hf.training.features import DEFAULT_TOP_K, precompute_features
-from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, SPLITS, split_filter
+from eagle3_hf.commands import say
+from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_TOP_K, SPLITS
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -38,24 +34,29 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        layer_ids = None
-        if args.layer_ids:
-            try:
-                layer_ids = [int(i) for i in args.layer_ids.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
-                ) from None
-        select = split_filter(args.split, args.held_out_fraction)
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
-        target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-        shards = precompute_features(
-            target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,
-            dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,
-        )  # fmt: skip
-    except ValueError as err:
-        print(f"eagle3-hf features: error: {err}", file=sys.stderr)
-        return 2
-    print(f"{len(shards)} shards in {args.output}")
+    if args.max_length < 3:
+        raise ValueError(f"--max-length must be >= 3 (the draft predicts tokens two ahead), got {args.max_length}.")
+    import torch
+
+    from eagle3_hf.targets import check_device, load_target, load_tokenised_data
+    from eagle3_hf.training.features import precompute_features
+    from eagle3_hf.training.split import split_filter
+
+    check_device(args.device)
+    layer_ids = None
+    if args.layer_ids:
+        try:
+            layer_ids = [int(i) for i in args.layer_ids.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
+            ) from None
+    select = split_filter(args.split, args.held_out_fraction)
+    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    shards = precompute_features(
+        target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,
+        dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,
+    )  # fmt: skip
+    say(f"{len(shards)} shards in {args.output}")
     return 0

@@ -5,11 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
-from eagle3_hf.hub import load_draft_for
-from eagle3_hf.targets import load_target, load_tokenizer
-
 
 def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
@@ -23,7 +18,25 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--no-compare", action="store_true", help="skip the plain-generate run and speedup")
 
 
+def _check_options(args: Any) -> None:
+    """What can be checked before anything is loaded."""
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}.")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+
+
 def run_cli(args: Any) -> int:
+    _check_options(args)
+    import torch
+
+    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.targets import check_device, load_target, load_tokenizer, resolve_target
+
+    check_device(args.device)
+    resolve_target(args.target)  # a bad name or path fails here, at once
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     tokenizer = load_tokenizer(args.target)

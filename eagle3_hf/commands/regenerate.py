@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from eagle3_hf.targets import load_target, load_tokenizer
-from eagle3_hf.training.regenerate import regenerate_responses, select_conversations
+from eagle3_hf.commands import say
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +26,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    import torch
+
+    from eagle3_hf.targets import check_device, load_target, load_tokenizer
+    from eagle3_hf.training.regenerate import regenerate_responses, select_conversations
+
+    check_device(args.device)
     conversations = select_conversations(args.data, args.skip_conversations, args.max_conversations, args.max_rounds)
     model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     tokenizer = load_tokenizer(args.target)
@@ -37,5 +40,5 @@ def run_cli(args: argparse.Namespace) -> int:
         do_sample=args.do_sample, temperature=args.temperature, shard_size=args.shard_size,
         max_prompt_length=args.max_prompt_length, seed=args.seed,
     )
-    print(f"{len(shards)} shards in {args.output}")
+    say(f"{len(shards)} shards in {args.output}")
     return 0

@@ -1,80 +1,272 @@
-"""`eagle3-hf train`: train a draft with `Eagle3Trainer` and the TTT loss (`eagle3_hf.training.trainer`)."""
+"""`eagle3-hf train`: train a draft with `Eagle3Trainer` and the TTT loss (`eagle3_hf.training.trainer`).
+
+The options are an `HfArgumentParser` over `Eagle3TrainingArguments` (every `transformers.TrainingArguments` field:
+`--learning-rate`, `--num-train-epochs`, `--report-to tensorboard`, `--push-to-hub`, `--eval-strategy`, ...) and
+`TrainCommandArguments` (the target, the data, how to start), so `--config FILE` (JSON or YAML) can hold any of
+them, required ones included. `--help` lists ours without importing transformers; `--help-all` lists everything.
+
+The output folder is never overwritten by accident: an existing non-empty one needs `--resume` (continue from its
+last checkpoint) or `--overwrite-output-dir` (start afresh: its earlier checkpoints are removed once the inputs
+have been checked); the final draft is written to a temporary folder and its files renamed into place.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import sys
-from typing import Any
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import torch
-from transformers.trainer_utils import get_last_checkpoint, set_seed
+from eagle3_hf.commands import OneLineErrors, apply_config, is_main_process, load_config_file, say, split_config
+from eagle3_hf.commands.vocab import draft_vocab_size_arg
+from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE, Eagle3TrainingOptions
 
-from eagle3_hf.commands.vocab import add_vocab_size_arguments
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
-from eagle3_hf.targets import load_target, load_tokenised_data
-from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-from eagle3_hf.training.features import DEFAULT_TOP_K
-from eagle3_hf.training.split import split_held_out
-from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
-from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, select_draft_vocab
+PROG = "eagle3-hf train"
+DESCRIPTION = "Train an EAGLE-3 draft with Trainer.train() and the TTT loss."
 
 
-def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
-    parser.add_argument("--data", default=None, nargs="+", help="conversations: ShareGPT/messages/Alpaca JSON or "
-                        "JSONL, or folders of regenerated shard_*.jsonl; several are joined (online features)")  # fmt: skip
-    parser.add_argument("--features", nargs="+", default=None,
-                        help="folders written by `eagle3-hf features` (offline features); several are joined")  # fmt: skip
-    parser.add_argument("--output", required=True, help="folder for checkpoints, the final draft, trainer_state.json")
-    parser.add_argument("--max-steps", type=int, required=True)
-    parser.add_argument("--ttt-length", type=int, default=7)
-    parser.add_argument("--ttt-decay", type=float, default=0.8)
-    add_vocab_size_arguments(parser, default=None)  # default: the target's whole vocabulary
-    parser.add_argument("--vocab", default=None,
-                        help="draft vocabulary file written by `eagle3-hf vocab` (fresh drafts)")  # fmt: skip
-    parser.add_argument("--logits-top-k", type=int, default=DEFAULT_TOP_K,
-                        help="target logits per token the soft labels are built from (online; offline features "
-                        "carry their own)")  # fmt: skip
-    parser.add_argument("--init-from-target", action=argparse.BooleanOptionalAction, default=True,
-                        help="start a fresh draft's head from the target's head rows and final norm")  # fmt: skip
-    parser.add_argument("--init-layer-from-target", action="store_true",
-                        help="also copy the target's last decoder layer's MLP, o_proj and norms into a fresh draft")
-    parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer ones are cut)")
-    parser.add_argument("--max-conversations", type=int, default=None)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--warmup-ratio", type=float, default=0.015, help="share of steps of linear warmup")
-    parser.add_argument("--batch-size", type=int, default=1, help="per-device batch size")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    parser.add_argument("--save-steps", type=int, default=500)
-    parser.add_argument("--save-total-limit", type=int, default=2,
-                        help="checkpoints kept in --output (older ones are deleted; 0 keeps all)")
-    parser.add_argument("--logging-steps", type=int, default=10)
-    parser.add_argument("--init-draft", default=None,
-                        help="continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
-                        "vocabulary, shared tokens keeping their head rows, new ones the target's)")  # fmt: skip
-    parser.add_argument("--eval-steps", type=int, default=None,
-                        help="evaluate every N steps on the held-out conversations (online) or --eval-features")
-    parser.add_argument("--eval-features", nargs="+", default=None,
-                        help="offline features of held-out conversations (`eagle3-hf features --split held-out`)")
-    parser.add_argument(
-        "--target-layer-ids", default=None,
-        help="three comma-separated output_hidden_states ids to tap (low,mid,high; default 2,L//2,L-3); e.g. the "
-        "same id three times for a top-layer-only ablation",
+@dataclass
+class TrainCommandArguments:
+    """What `eagle3-hf train` adds to `Eagle3TrainingArguments`: the target, the data and how to start."""
+
+    target: str = field(metadata={"help": "target model: 'smollm2', a folder, a .gguf file, or a Hub id org/name"})
+    data: list[str] | None = field(
+        default=None,
+        metadata={"help": "conversations (online features): JSON, JSONL, .jsonl.gz or parquet files, folders of "
+                          "them, or Hub dataset ids; ShareGPT, messages or Alpaca records; several are joined"},
+    )  # fmt: skip
+    features: list[str] | None = field(
+        default=None, metadata={"help": "folders written by `eagle3-hf features` (offline); several are joined"}
     )
-    parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output, if any")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="target dtype and mixed precision of the draft (its master weights stay float32)")
-    parser.add_argument("--seed", type=int, default=0)
+    max_conversations: int | None = field(default=None, metadata={"help": "read at most this many conversations"})
+    init_draft: str | None = field(
+        default=None,
+        metadata={"help": "continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
+                          "vocabulary, shared tokens keeping their head rows, new ones the target's)"},
+    )  # fmt: skip
+    vocab: str | None = field(
+        default=None, metadata={"help": "draft vocabulary file written by `eagle3-hf vocab` (fresh drafts)"}
+    )
+    min_coverage: float = field(
+        default=DEFAULT_MIN_COVERAGE, metadata={"help": "held-out coverage --draft-vocab-size auto must reach"}
+    )
+    held_out_fraction: float = field(
+        default=DEFAULT_HELD_OUT_FRACTION,
+        metadata={"help": "share of conversations (by id hash) held out from training: they measure the vocabulary's "
+                          "coverage and are the evaluation set of --eval-steps"},
+    )  # fmt: skip
+    eval_features: list[str] | None = field(
+        default=None,
+        metadata={"help": "offline features of held-out conversations (`eagle3-hf features --split held-out`), "
+                          "evaluated every --eval-steps"},
+    )  # fmt: skip
+    init_from_target: bool = field(
+        default=True, metadata={"help": "start a fresh draft's head from the target's head rows and final norm "
+                                        "(--no-init-from-target: random)"},
+    )  # fmt: skip
+    init_layer_from_target: bool = field(
+        default=False,
+        metadata={"help": "also copy the target's last decoder layer's MLP, o_proj and norms into a fresh draft"},
+    )
+    target_layer_ids: str | None = field(
+        default=None,
+        metadata={"help": "three comma-separated output_hidden_states ids to tap (low,mid,high; default "
+                          "2,L//2,L-3), e.g. the same id three times for a top-layer-only ablation"},
+    )  # fmt: skip
+    target_id: str | None = field(
+        default=None, metadata={"help": "the target's Hub id org/name, recorded in the draft and its model card "
+                                        "(known without it for short names and Hub ids)"},
+    )  # fmt: skip
+    dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata={"help": "target dtype and mixed precision of the draft (master weights fp32)"}
+    )
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --output-dir"})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "start afresh in a non-empty --output-dir (its checkpoints are removed)"}
+    )
 
 
-def _fresh_draft_vocab(args: Any, dataset: Any, target_vocab_size: int) -> DraftVocab | None:
-    """The vocabulary of a fresh draft: `--vocab`, or counted on the training data; None for the whole vocabulary.
+# The recipe's defaults where they differ from TrainingArguments' (SpecForge's: cosine, warmup 1.5%, clip 0.5).
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "learning_rate": 1e-4, "warmup_steps": 0.015, "lr_scheduler_type": "cosine", "adam_beta2": 0.95,
+    "max_grad_norm": 0.5, "weight_decay": 0.0, "per_device_train_batch_size": 1, "save_steps": 500,
+    "save_total_limit": 2, "logging_steps": 10, "seed": 0, "report_to": "none", "per_device_eval_batch_size": 1,
+}  # fmt: skip
+# Older flag names -> the TrainingArguments field they set.
+ALIASES = {"--output": "output_dir", "--batch-size": "per_device_train_batch_size", "--warmup-ratio": "warmup_steps"}
+_ALIAS_TYPES = {"output_dir": str, "per_device_train_batch_size": int, "warmup_steps": float}
+_TRAINING_ARGUMENTS_SHOWN = (
+    "--output-dir", "--max-steps", "--num-train-epochs", "--learning-rate", "--per-device-train-batch-size",
+    "--gradient-accumulation-steps", "--save-steps", "--save-total-limit", "--logging-steps", "--eval-strategy",
+    "--eval-steps", "--report-to", "--push-to-hub", "--hub-model-id", "--gradient-checkpointing", "--seed",
+)  # fmt: skip
 
-    `dataset` is the offline features, or every tokenised conversation: `select_draft_vocab` counts the training ones
-    and measures coverage on the held-out ones."""
+
+# ------------------------------------------------------------------------------------------------------------------
+# parsing
+
+
+def _add_fields(group: Any, cls: type) -> None:
+    """Options for a dataclass of simple fields, as HfArgumentParser would make them (for the quick --help only)."""
+    for f in dataclasses.fields(cls):
+        kind = str(f.type)
+        flag = f"--{f.name.replace('_', '-')}"
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        kwargs: dict[str, Any] = {"help": f.metadata.get("help", ""), "required": required}
+        if not required:
+            kwargs["default"] = f.default
+        if kind.startswith("bool"):
+            kwargs.update(nargs="?", const=True, metavar="BOOL")
+        elif kind.startswith("list"):
+            kwargs.update(nargs="+")
+        elif kind.startswith("Literal"):
+            kwargs.update(choices=[a.strip(" '\"") for a in kind[len("Literal[") : -1].split(",")])
+        group.add_argument(flag, **kwargs)
+
+
+def quick_help() -> str:
+    """`eagle3-hf train --help`: our options and the EAGLE-3 ones, without importing transformers."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage=f"{PROG} --target TARGET (--data SRC [SRC ...] | --features DIR [DIR ...]) --output-dir DIR "
+              "[options] [any TrainingArguments option]",
+        epilog="Every transformers TrainingArguments field is an option as well ("
+               + ", ".join(_TRAINING_ARGUMENTS_SHOWN) + ", ...): `eagle3-hf train --help-all` lists them all (it "
+               "imports transformers, a few seconds). Defaults that differ from TrainingArguments': "
+               + ", ".join(f"{k}={v}" for k, v in TRAIN_DEFAULTS.items()) + ". Aliases: "
+               + ", ".join(f"{a} = --{d.replace('_', '-')}" for a, d in ALIASES.items())
+               + ". --config FILE (JSON or YAML) may hold any option, required ones included; flags given here win.",
+    )  # fmt: skip
+    _add_fields(parser.add_argument_group("eagle3-hf train options"), TrainCommandArguments)
+    _add_fields(parser.add_argument_group("EAGLE-3 training options (Eagle3TrainingArguments)"), Eagle3TrainingOptions)
+    parser.add_argument("--config", help="JSON/YAML file of option values (flags given here win)")
+    parser.add_argument("--help-all", action="store_true", help="list every option, TrainingArguments' included")
+    return parser.format_help()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: an HfArgumentParser over `Eagle3TrainingArguments` and `TrainCommandArguments`."""
+    from transformers import HfArgumentParser
+
+    from eagle3_hf.training.trainer import Eagle3TrainingArguments
+
+    class Parser(OneLineErrors, HfArgumentParser):
+        pass
+
+    parser = Parser([Eagle3TrainingArguments, TrainCommandArguments], prog=PROG, description=DESCRIPTION)
+    for alias, dest in ALIASES.items():
+        parser.add_argument(alias, dest=dest, type=_ALIAS_TYPES[dest], default=argparse.SUPPRESS,
+                            help=f"alias of --{dest.replace('_', '-')}")  # fmt: skip
+    parser.add_argument("--config", help="JSON/YAML file of option values (flags given here win)")
+    parser.set_defaults(**TRAIN_DEFAULTS)
+    _action(parser, "draft_vocab_size").type = draft_vocab_size_arg  # a size, or "auto" (chosen by coverage)
+    return parser
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)  # argparse keeps no public index of its options
+
+
+def parse_cli(argv: list[str]) -> argparse.Namespace:
+    if "-h" in argv or "--help" in argv:
+        print(quick_help())
+        raise SystemExit(0)
+    config, rest = split_config(argv)
+    parser = build_parser()
+    if "--help-all" in rest:
+        parser.print_help()
+        raise SystemExit(0)
+    if config is not None:
+        apply_config(parser, load_config_file(config), config)
+    return parser.parse_args(rest)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# running
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every check that needs no model and no data: bad input fails in a second, before anything is written."""
+    from eagle3_hf.outputs import check_output_dir
+
+    if (args.data is None) == (args.features is None):
+        raise ValueError("Give exactly one of --data (conversations, online features) or --features (offline).")
+    if not args.output_dir:
+        raise ValueError("--output-dir (or --output) is required: the folder for checkpoints and the draft.")
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise ValueError(f"--max-steps must be a positive number of steps (or -1 to train --num-train-epochs "
+                         f"epochs), got {args.max_steps}.")  # fmt: skip
+    if args.max_steps == -1 and args.num_train_epochs <= 0:
+        raise ValueError(f"--num-train-epochs must be > 0 when --max-steps is not given, got {args.num_train_epochs}.")
+    if args.save_total_limit is not None and args.save_total_limit < 0:
+        raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
+    if args.warmup_steps < 0 or (args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps)):
+        raise ValueError(f"--warmup-steps (--warmup-ratio) must be a share of the steps in [0, 1) or a whole number "
+                         f"of steps, got {args.warmup_steps}.")  # fmt: skip
+    if args.resume and args.overwrite_output_dir:
+        raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
+    if args.eval_steps and args.features is not None and not args.eval_features:
+        raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
+    if args.dtype != "float32" and (args.bf16 or args.fp16):
+        raise ValueError(f"--dtype {args.dtype} sets the mixed precision itself; leave out --bf16/--fp16.")
+    check_output_dir(args.output_dir, args.overwrite_output_dir or args.resume, "--output-dir", resumable=True)
+
+
+def _layer_ids(text: str | list[int] | None) -> dict[str, list[int]]:
+    if text is None:
+        return {}
+    try:
+        return {"target_layer_ids": [int(i) for i in (text.split(",") if isinstance(text, str) else text)]}
+    except ValueError as err:
+        raise ValueError(f"--target-layer-ids must be comma-separated integers, got {text!r}.") from err
+
+
+def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
+    import torch
+
+    from eagle3_hf.training.trainer import Eagle3TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(Eagle3TrainingArguments) if f.init}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    # The command chooses the vocabulary itself (`--draft-vocab-size` may be "auto"), so the trainer checks nothing.
+    values.update(feature_mode="offline" if offline else "online", build_draft_vocab=False, draft_vocab_size=None)
+    if values.get("eval_steps") and values["eval_strategy"] in ("no", None):
+        values["eval_strategy"] = "steps"  # --eval-steps N alone: evaluate every N steps
+    values["bf16"] = values["bf16"] or args.dtype == "bfloat16"
+    values["fp16"] = values["fp16"] or args.dtype == "float16"
+    if not torch.cuda.is_available():
+        values["use_cpu"] = True  # bf16 autocast on a CPU-only machine needs it said explicitly
+    return Eagle3TrainingArguments(**values)
+
+
+def _remove_checkpoints(output_dir: str) -> None:
+    """--overwrite-output-dir: the earlier run's checkpoints go (else --resume would later pick one of them)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    old = [n for n in os.listdir(output_dir) if n.startswith(f"{PREFIX_CHECKPOINT_DIR}-")]
+    for name in old:
+        shutil.rmtree(os.path.join(output_dir, name))
+    if old:
+        say(f"--overwrite-output-dir: removed {len(old)} earlier checkpoint(s) from {output_dir}.")
+
+
+def _save_final(trainer: Any, output_dir: str) -> None:
+    """Save the draft into a temporary folder inside `output_dir`, then rename its files into place."""
+    staging = os.path.join(output_dir, ".saving-draft.tmp")  # the same name on every process (FSDP saves on all)
+    trainer.save_model(staging, _internal_call=True)
+    if trainer.is_world_process_zero():
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _fresh_draft_vocab(args: argparse.Namespace, dataset: Any, target_vocab_size: int) -> Any:
+    """The vocabulary of a fresh draft: `--vocab`, or counted on the training data; None for the whole vocabulary."""
+    from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
+    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab, select_draft_vocab
+
     if args.vocab:
         vocab = load_draft_vocab(args.vocab)
         if args.draft_vocab_size not in (None, vocab.draft_vocab_size):
@@ -96,99 +288,110 @@ def _fresh_draft_vocab(args: Any, dataset: Any, target_vocab_size: int) -> Draft
         choice = select_draft_vocab(
             dataset, target_vocab_size, args.draft_vocab_size, args.min_coverage, args.held_out_fraction
         )
-        print(choice.table())
+        say(choice.table())
         vocab = choice.vocab
-    print(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
-          f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens.")  # fmt: skip
+    say(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
+        f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens.")  # fmt: skip
     return vocab
 
 
-def _run_train(args: Any) -> int:
-    if (args.data is None) == (args.features is None):
-        raise ValueError("Give exactly one of --data (conversations, online features) or --features (offline).")
-    if args.save_total_limit < 0:
-        raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
-    if not 0.0 <= args.warmup_ratio < 1.0:
-        raise ValueError(f"--warmup-ratio is a share of the steps in [0, 1); got {args.warmup_ratio}.")
-    set_seed(args.seed)
-    dtype = getattr(torch, args.dtype)
-    offline = args.features is not None
-    eval_dataset = None
+def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[Any, Any, Any]:
+    """(training set, evaluation set or None, rows the vocabulary is chosen on): offline features, or the
+    conversations less the held-out ones. The vocabulary rows are every conversation: `select_draft_vocab` counts the
+    training ones and measures coverage on the held-out ones (given the training part only, it fell back to
+    training coverage)."""
+    from eagle3_hf.targets import load_tokenised_data
+    from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
+    from eagle3_hf.training.split import split_held_out
+
+    evaluate = training_args.eval_strategy != "no"
     if offline:
-        dataset = vocab_rows = OfflineFeatureDataset(args.features)
-        print(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
-        if args.eval_features:
-            eval_dataset = OfflineFeatureDataset(args.eval_features)
-        elif args.eval_steps:
-            raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
-    else:
-        _, everything, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-        dataset, held_out = split_held_out(everything, args.held_out_fraction)
-        vocab_rows = everything  # the vocabulary is counted on `dataset`; `held_out` measures its coverage
-        print(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
-        if args.eval_steps and len(held_out) == 0:
-            raise ValueError("--eval-steps: no conversation is held out; raise --held-out-fraction or add data.")
-        eval_dataset = held_out if args.eval_steps else None
-    target = load_target(args.target, dtype=dtype)
+        dataset = OfflineFeatureDataset(args.features)
+        say(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
+        return dataset, OfflineFeatureDataset(args.eval_features) if args.eval_features else None, dataset
+    _, everything, _ = load_tokenised_data(args.target, args.data, training_args.max_length, args.max_conversations)
+    dataset, held_out = split_held_out(everything, args.held_out_fraction)
+    say(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
+    if evaluate and len(held_out) == 0:
+        raise ValueError("--eval-steps: no conversation is held out; raise --held-out-fraction or add data.")
+    return dataset, held_out if evaluate else None, everything
+
+
+def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: dict[str, Any]) -> Any:
+    """A fresh draft for `target` (its vocabulary, target-derived init), or `--init-draft` (remapped if asked).
+
+    `vocab_rows` is the offline features, or every tokenised conversation (see `_data`)."""
+    import torch
+
+    from eagle3_hf import Eagle3DraftModel
+    from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
+
+    vocab_size = target.config.get_text_config().vocab_size
     if args.init_draft:
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
         if args.vocab or args.draft_vocab_size not in (None, draft.config.draft_vocab_size):
-            vocab_size = target.config.get_text_config().vocab_size
             vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
             d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
                 torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
             shared = remap_draft_vocab(draft, d2t, t2d, target if args.init_from_target else None)
-            print(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
-    else:
-        vocab = _fresh_draft_vocab(args, vocab_rows, target.config.get_text_config().vocab_size)
-        size = vocab.draft_vocab_size if vocab is not None else None
-        overrides = {}
-        if args.target_layer_ids:
-            try:
-                overrides["target_layer_ids"] = [int(i) for i in args.target_layer_ids.split(",")]
-            except ValueError as err:
-                raise ValueError(
-                    f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}."
-                ) from err
-        draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
-        if vocab is not None:
-            draft.set_draft_vocab(vocab.d2t, vocab.t2d)  # before the head copy: it picks the rows by these ids
-        if args.init_from_target:
-            print(f"Target-derived init: {', '.join(init_head_from_target(draft, target)) or 'nothing'} copied.")
-        if args.init_layer_from_target:
-            print(f"Target-derived init: {', '.join(init_layer_from_target(draft, target)) or 'nothing'} copied.")
-    training_args = Eagle3TrainingArguments(
-        output_dir=args.output, max_steps=args.max_steps, ttt_length=args.ttt_length, ttt_decay=args.ttt_decay,
-        feature_mode="offline" if offline else "online", max_length=args.max_length, logits_top_k=args.logits_top_k,
-        learning_rate=args.learning_rate, warmup_steps=args.warmup_ratio, lr_scheduler_type="cosine",
-        adam_beta2=0.95, max_grad_norm=0.5, weight_decay=0.0,
-        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        save_steps=args.save_steps, save_total_limit=args.save_total_limit or None,
-        logging_steps=args.logging_steps, seed=args.seed, report_to="none",
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, gradient_checkpointing=args.gradient_checkpointing,
-        build_draft_vocab=False, eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps,
-        per_device_eval_batch_size=args.batch_size,
-        use_cpu=not torch.cuda.is_available(),  # bf16 autocast on a CPU-only machine needs it said explicitly
-    )  # fmt: skip
+            say(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
+        return draft
+    vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
+    size = vocab.draft_vocab_size if vocab is not None else None
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
+    if vocab is not None:
+        draft.set_draft_vocab(vocab.d2t, vocab.t2d)  # before the head copy: it picks the rows by these ids
+    if args.init_from_target:
+        say(f"Target-derived init: {', '.join(init_head_from_target(draft, target)) or 'nothing'} copied.")
+    if args.init_layer_from_target:
+        say(f"Target-derived init: {', '.join(init_layer_from_target(draft, target)) or 'nothing'} copied.")
+    return draft
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    _check(args)
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint, set_seed
+
+    from eagle3_hf.targets import load_target, resolve_target
+    from eagle3_hf.training.data_files import is_dataset_id
+    from eagle3_hf.training.trainer import Eagle3Trainer
+
+    offline = args.features is not None
+    overrides = _layer_ids(args.target_layer_ids)
+    training_args = _training_arguments(args, offline)
+    resolve_target(args.target)
+    set_seed(training_args.seed)
+    dataset, eval_dataset, vocab_rows = _data(args, training_args, offline)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype))
+    if args.target_id:
+        target.config._name_or_path = args.target_id
+    draft = _draft(args, target, vocab_rows, overrides)
+    sources = args.features if offline else args.data
+    before = (draft.training_info or {}).get("steps") or 0 if args.init_draft else 0
+    draft.training_info = {  # what the draft's model card says about its training
+        "data": ", ".join(sources) + (" (offline features)" if offline else ""),
+        "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
+        "ttt_length": training_args.ttt_length,
+    }
     trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset,
                             eval_dataset=eval_dataset)  # fmt: skip
-    checkpoint = get_last_checkpoint(args.output) if args.resume and os.path.isdir(args.output) else None
-    if args.resume:
-        print(f"Resuming from {checkpoint}." if checkpoint else f"No checkpoint in {args.output}: starting afresh.")
+    output_dir = training_args.output_dir
+    checkpoint = training_args.resume_from_checkpoint
+    if args.resume and checkpoint is None:
+        checkpoint = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        say(f"Resuming from {checkpoint}." if checkpoint else f"No checkpoint in {output_dir}: starting afresh.")
+    elif args.overwrite_output_dir and os.path.isdir(output_dir) and is_main_process():
+        _remove_checkpoints(output_dir)
     trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(args.output)
+    draft.training_info["steps"] = before + trainer.state.global_step
+    _save_final(trainer, output_dir)
     trainer.save_state()
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
     last = next((log for log in reversed(trainer.state.log_history) if "acc_0" in log), None)
     if last is not None:
-        accs = " ".join(f"{last[f'acc_{j}']:.3f}" for j in range(args.ttt_length))
-        print(f"Last logged accuracy per TTT step: {accs}; simulated acceptance length {last['sim_accept_len']:.2f}.")
-    print(f"Saved the draft to {args.output} ({trainer.state.global_step} steps).")
+        accs = " ".join(f"{last[f'acc_{j}']:.3f}" for j in range(training_args.ttt_length))
+        say(f"Last logged accuracy per TTT step: {accs}; simulated acceptance length {last['sim_accept_len']:.2f}.")
+    say(f"Saved the draft to {output_dir} ({trainer.state.global_step} steps).")
     return 0
-
-
-def run_cli(args: Any) -> int:
-    try:
-        return _run_train(args)
-    except ValueError as err:
-        print(f"eagle3-hf train: error: {err}", file=sys.stderr)
-        return 2

@@ -8,13 +8,9 @@ the smallest size that covers ``--min-coverage`` of it.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from transformers import AutoConfig
-
-from eagle3_hf.targets import load_tokenised_data, resolve_target
-from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION
-from eagle3_hf.training.vocab import DEFAULT_MIN_COVERAGE, save_draft_vocab, select_draft_vocab
+from eagle3_hf.commands import say
+from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE
 
 
 def draft_vocab_size_arg(value: str) -> int | str:
@@ -31,7 +27,7 @@ def draft_vocab_size_arg(value: str) -> int | str:
 
 
 def add_vocab_size_arguments(parser: argparse.ArgumentParser, default: int | str | None) -> None:
-    """``--draft-vocab-size``, ``--min-coverage`` and ``--held-out-fraction``, shared with `eagle3-hf train`."""
+    """``--draft-vocab-size``, ``--min-coverage`` and ``--held-out-fraction``."""
     parser.add_argument(
         "--draft-vocab-size", type=draft_vocab_size_arg, default=default,
         help="draft head size, or 'auto': the smallest of 4096/8192/16384/32768 whose held-out coverage of the "
@@ -51,25 +47,31 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     add_vocab_size_arguments(parser, default="auto")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-conversations", type=int, default=None)
+    parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --output file")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-        # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
-        directory, gguf_file = resolve_target(args.target)
-        config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
-        choice = select_draft_vocab(
-            dataset, config.get_text_config().vocab_size, args.draft_vocab_size, args.min_coverage,
-            args.held_out_fraction,
-        )  # fmt: skip
-        vocab = choice.vocab
-        save_draft_vocab(args.output, vocab)
-    except ValueError as err:
-        print(f"eagle3-hf vocab: error: {err}", file=sys.stderr)
-        return 2
-    print(choice.table())
-    print(
+    from eagle3_hf.outputs import check_output_file, staged_file
+
+    check_output_file(args.output, args.overwrite_output_dir, "--output")
+    from transformers import AutoConfig
+
+    from eagle3_hf.targets import load_tokenised_data, resolve_target
+    from eagle3_hf.training.vocab import save_draft_vocab, select_draft_vocab
+
+    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+    # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
+    directory, gguf_file = resolve_target(args.target)
+    config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
+    choice = select_draft_vocab(
+        dataset, config.get_text_config().vocab_size, args.draft_vocab_size, args.min_coverage,
+        args.held_out_fraction,
+    )  # fmt: skip
+    vocab = choice.vocab
+    with staged_file(args.output) as temporary:
+        save_draft_vocab(temporary, vocab)
+    say(choice.table())
+    say(
         f"Draft vocabulary of {vocab.draft_vocab_size} ids written to {args.output}: it covers "
         f"{100 * vocab.coverage:.2f}% "
         f"of the training conversations' supervised tokens ({vocab.num_seen} distinct ids seen, "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,15 @@ from eagle3_hf.generation.steps import (
     verify,
 )
 from eagle3_hf.modeling._compat import generate_output_cache_field
+from eagle3_hf.modeling.checkpoints import embeddings_match
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
+
+
+# Per-call tree options, also read from a GenerationConfig (GenerationConfig(tree_depth=4) keeps unknown fields).
+TREE_OPTIONS = ("tree_depth", "tree_top_k", "tree_total_tokens", "adaptive_tree")
+# Options of stock assisted generation that mean nothing for a tree.
+CHAIN_OPTIONS = ("num_assistant_tokens", "num_assistant_tokens_schedule")
+_DEFAULT_CONFIG = GenerationConfig()
 
 
 @dataclass
@@ -88,15 +97,52 @@ def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
                 f"{draft.config.hidden_size} != target hidden size {draft.config.target_hidden_size}."
             )
         draft.load_target_embedding(target)
+    else:
+        theirs = target.get_input_embeddings().weight
+        if tuple(theirs.shape) == tuple(draft.embed_tokens.weight.shape) and not embeddings_match(
+            draft.embed_tokens.weight, theirs
+        ):
+            raise ValueError(
+                "The draft's token embedding differs from this target's (same shape, other values): it was trained "
+                "for another model, or carries a re-initialised embedding. Load it with "
+                "Eagle3DraftModel.from_pretrained(path, target=target, use_target_embedding=True) to use the "
+                "target's embedding instead."
+            )
     bound = getattr(target, "generate", None)
     if not isinstance(bound, functools.partial) or bound.func is not _bound_generate:
         target.generate = functools.partial(_bound_generate, target)
+
+
+def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig | None, kwargs: dict) -> None:
+    """Read the tree options from a `GenerationConfig` (call kwargs win), and refuse the options of the other
+    speculative methods: prompt lookup is a different method, and `num_assistant_tokens` sizes chains, not trees."""
+    config = config if config is not None else target.generation_config
+    for name in TREE_OPTIONS:
+        if name not in kwargs and getattr(config, name, None) is not None:
+            kwargs[name] = getattr(config, name)
+    if kwargs.get("prompt_lookup_num_tokens") is not None or getattr(config, "prompt_lookup_num_tokens", None):
+        raise ValueError(
+            "prompt_lookup_num_tokens asks for prompt-lookup decoding, assistant_model=<Eagle3DraftModel> for EAGLE-3: "
+            "pass one of them."
+        )
+    for name in CHAIN_OPTIONS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name} sizes the chains of stock assisted generation; EAGLE-3 drafts a tree: pass tree_depth, "
+                "tree_top_k and tree_total_tokens instead."
+            )
+        if getattr(config, name, None) != getattr(_DEFAULT_CONFIG, name, None):
+            warnings.warn(
+                f"The generation config's {name}={getattr(config, name)!r} is ignored by EAGLE-3 decoding, which "
+                "drafts a tree sized by tree_depth, tree_top_k and tree_total_tokens.", UserWarning, stacklevel=3,
+            )  # fmt: skip
 
 
 def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
     if not isinstance(assistant_model, Eagle3DraftModel):
         return type(target).generate(target, *args, assistant_model=assistant_model, **kwargs)
     assistant_model.config.check_target_config(target.config)
+    _tree_options_and_refusals(target, kwargs.get("generation_config") or (args[1] if len(args) > 1 else None), kwargs)
     # generate() hands a custom_generate callable neither the streamer nor the tokenizer (it rebuilds those
     # kwargs from the callable's signature): pass the streamer under our own name, and build the stop-string
     # criterion here, since generate() would otherwise fail to find a tokenizer for it.

@@ -9,6 +9,8 @@ embedding, which the official training code never saves; the target supplies it.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import json
 import os
 import pickle
@@ -33,7 +35,9 @@ from eagle3_hf.modeling.layouts import (
     speculators_config_kwargs,
 )
 
-__all__ = ["LAYOUTS", "detect_layout", "load_draft", "read_checkpoint"]
+__all__ = ["LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "read_checkpoint"]
+
+logger = hf_logging.get_logger(__name__)
 
 # Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
 WEIGHT_FILES = (
@@ -107,7 +111,12 @@ def read_checkpoint(
     if not os.path.isfile(config_path):
         raise ValueError(f"No {CONFIG_NAME} in the checkpoint folder {folder!r}.")
     with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config_path!r} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path!r} must hold a JSON object, got {type(config).__name__}.")
     raw = read_weights(folder)
     layout = detect_layout(config, raw.keys())
     state_dict: dict[str, torch.Tensor] = {}
@@ -123,11 +132,23 @@ def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: st
     """Our config for a checkpoint of `layout` (RoPE always from the checkpoint itself, never from a target)."""
     try:
         if layout == NATIVE:
+            _check_native_keys(config, source)
             return Eagle3DraftConfig.from_dict(config)
         fields = speculators_config_kwargs(config) if layout == SPECULATORS else eagle_config_kwargs(config, keys)
         return Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
     except (TypeError, ValueError) as err:
         raise ValueError(f"{source}: invalid draft config: {err}") from err
+
+
+def _check_native_keys(config: dict[str, Any], source: str) -> None:
+    """Refuse a key that looks like a misspelt config field (`hiden_size`): from_dict would keep it and silently
+    use the default for the real one. Other unknown keys (another version's fields) are only logged."""
+    known = set(Eagle3DraftConfig().to_dict()) | set(inspect.signature(Eagle3DraftConfig.__init__).parameters)
+    for key in sorted(set(config) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"{source}: config.json has the unknown key {key!r}; did you mean {close[0]!r}?")
+        logger.warning("%s: config.json has the unknown key %r (kept as an attribute).", source, key)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +237,7 @@ def _check_target(config: Eagle3DraftConfig, target: PreTrainedModel) -> None:
     config.validate()
 
 
-def _embeddings_match(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+def embeddings_match(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     """Equal up to bfloat16 rounding. A checkpoint may be stored in half precision, and a draft trained beside a
     bfloat16 target holds that target's rounded embedding even when saved in float32; a re-initialised random
     embedding differs by far more than that."""
@@ -242,7 +263,7 @@ def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, rep
             )
         draft.load_target_embedding(target)
     elif tuple(draft.embed_tokens.weight.shape) == tuple(target_weight.shape):
-        if not _embeddings_match(draft.embed_tokens.weight, target_weight):
+        if not embeddings_match(draft.embed_tokens.weight, target_weight):
             raise ValueError(
                 f"{source}: the checkpoint's token embedding differs from the target's. Exports sometimes carry a "
                 "re-initialised random embedding, which silently ruins acceptance. Pass use_target_embedding=True "
@@ -322,6 +343,7 @@ def load_draft(
         raise ValueError(f"{source}: transformers did not load every weight: {problems}")
     draft.config._name_or_path = os.fspath(path_or_id)
     draft.embedding_loaded = has_embedding
+    draft.training_info = _read_training_info(path_or_id)
     draft.embed_tokens.weight.requires_grad_(False)  # frozen, like the target's; the reload made a fresh Parameter
     if device is not None:
         draft.to(device)
@@ -329,3 +351,16 @@ def load_draft(
         _take_target_embedding(draft, target, source, replace=use_target_embedding)
         draft.bind(target)
     return draft
+
+
+def _read_training_info(path_or_id: str | os.PathLike) -> dict[str, Any] | None:
+    """`training_info.json` of a local draft folder (what its card shows), if it has one."""
+    path = os.path.join(os.fspath(path_or_id), "training_info.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            info = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path!r} is not valid JSON: {err}") from err
+    return info if isinstance(info, dict) else None

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.modeling.identity import is_hub_id, target_identity  # noqa: F401  (is_hub_id: re-exported)
 
 NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
 LAYOUTS = (NATIVE, SPECULATORS, EAGLE)
@@ -74,10 +75,19 @@ def detect_layout(config: dict[str, Any], keys: Iterable[str]) -> str:
     architectures = list(config.get("architectures") or [])
     if any(arch in EAGLE_ARCHITECTURES for arch in architectures):
         return EAGLE
+    keys = list(keys)
     names = {normalize_key(k) for k in keys}
-    has_draft_keys = "fc.weight" in names or any(k.startswith("midlayer.") for k in names)
+    # A full model's `model.layers.0.*` also normalises to `midlayer.*`: only one layer and no `layers.1` is a draft.
+    one_layer = not any(".layers.1." in f".{k}" for k in keys)
+    has_draft_keys = "fc.weight" in names or (one_layer and any(k.startswith("midlayer.") for k in names))
     if "LlamaForCausalLM" in architectures and config.get("num_hidden_layers", 1) == 1 and has_draft_keys:
         return EAGLE
+    depth = config.get("num_hidden_layers")
+    if isinstance(depth, int) and depth > 1 and not has_draft_keys:
+        raise ValueError(
+            f"This is a full model ({', '.join(architectures) or model_type}, {depth} layers), not an EAGLE-3 draft: "
+            "pass it as the target (--target), and a draft checkpoint as the draft."
+        )
     raise ValueError(
         f"Cannot tell which EAGLE-3 checkpoint layout this is (model_type={model_type!r}, "
         f"architectures={architectures}, fc/midlayer weights {'present' if has_draft_keys else 'absent'}). Accepted: "
@@ -260,8 +270,11 @@ def eagle_config_dict(config: Eagle3DraftConfig, dtype_name: str, include_embedd
     return out
 
 
-def speculators_config_dict(config: Eagle3DraftConfig, dtype_name: str, speculative_tokens: int) -> dict[str, Any]:
-    """The ``config.json`` of the speculators layout (``Eagle3Speculator``)."""
+def speculators_config_dict(
+    config: Eagle3DraftConfig, dtype_name: str, speculative_tokens: int, target_id: str | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` of the speculators layout (``Eagle3Speculator``); see `target_identity` for `target_id`."""
+    name, architectures = target_identity(config, target_id)
     check_exportable(config, SPECULATORS)
     layer = {
         "architectures": [_SPECULATORS_ARCHITECTURE[config.layer_type]],
@@ -294,10 +307,7 @@ def speculators_config_dict(config: Eagle3DraftConfig, dtype_name: str, speculat
                 }
             ],
             "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": config.target_name_or_path,
-                "architectures": list(config.target_architectures or []),
-            },
+            "verifier": {"name_or_path": name, "architectures": architectures},
         },
         "torch_dtype": dtype_name,
     }
@@ -342,15 +352,41 @@ def _dtype_name(draft: Any) -> str:
     return str(draft.fc.weight.dtype).removeprefix("torch.")
 
 
-def save_speculators(draft: Any, out_dir: str | os.PathLike, include_embedding: bool | None = None) -> None:
+def save_speculators(
+    draft: Any,
+    out_dir: str | os.PathLike,
+    include_embedding: bool | None = None,
+    target_id: str | None = None,
+    embedding: torch.Tensor | None = None,
+) -> None:
     """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.0.*`` weights, safetensors).
 
-    `include_embedding` defaults to writing the embedding whenever the draft has one. Raises `ValueError` if the
-    draft's layer type is not one speculators builds (llama, qwen3).
+    The embedding is always written: speculators fills a missing one with zeros without a word. A draft without
+    one raises `ValueError` (load it with its target). `embedding` (the target's own input embedding) is written in
+    its own dtype, the target's precision, instead of the draft's copy. `target_id` names the target when the draft
+    records no Hub id for it (see `target_identity`). Raises `ValueError` if the draft's layer type is not one
+    speculators builds (llama, qwen3).
     """
-    include = resolve_include_embedding(draft, include_embedding)
-    config = speculators_config_dict(draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth)
-    _write(out_dir, config, _export_tensors(draft, include, "layers.0."))
+    if include_embedding is False or (embedding is None and not draft.embedding_loaded):
+        raise ValueError(
+            "The speculators layout must carry the token embedding (speculators would load zeros in its place), but "
+            + ("include_embedding=False was passed" if include_embedding is False else "this draft has none (its "
+               "checkpoint left it out)")
+            + ": load the draft with its target (from_pretrained(path, target=target), or `eagle3-hf convert SRC "
+            "DST --to speculators --target NAME_OR_PATH`)."
+        )  # fmt: skip
+    config = speculators_config_dict(
+        draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth, target_id=target_id
+    )
+    tensors = _export_tensors(draft, True, "layers.0.")
+    if embedding is not None:
+        if tuple(embedding.shape) != tuple(tensors[EMBED_KEY].shape):
+            raise ValueError(
+                f"The embedding given has shape {tuple(embedding.shape)}, the draft's is "
+                f"{tuple(tensors[EMBED_KEY].shape)}."
+            )
+        tensors[EMBED_KEY] = embedding.detach().cpu().contiguous()
+    _write(out_dir, config, tensors)
 
 
 def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool = False) -> None:

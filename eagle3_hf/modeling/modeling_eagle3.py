@@ -15,7 +15,9 @@ The attention, MLP and norms are transformers' own classes for the target family
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +31,16 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3_hf.modeling.checkpoints import load_draft
 from eagle3_hf.modeling.families import get_family
+from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 
 # What `Eagle3DraftModel.bind` runs. The decoding loop lives above this package, so it registers itself here when
-# `eagle3_hf.generation` is imported (which `import eagle3_hf` does); the model never imports generation.
+# `eagle3_hf.generation` is imported (reading any public name of `eagle3_hf` does); the model never imports it.
 _BINDERS: dict[str, Callable[[Any, PreTrainedModel], None]] = {}
+# What training recorded about a draft (data, steps, command), saved next to it and shown on its model card.
+TRAINING_INFO_NAME = "training_info.json"
 
 
 def register_binder(binder: Callable[[Any, PreTrainedModel], None]) -> Callable[[Any, PreTrainedModel], None]:
@@ -141,6 +146,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("t2d", t2d)
         # Set by whoever fills `embed_tokens` with the target's embedding (from_target, loaders).
         self.embedding_loaded = False
+        self.training_info: dict[str, Any] | None = None  # written by save_pretrained (training_info.json, card)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -327,15 +333,58 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         include_embedding: bool = True,
         **kwargs: Any,
     ) -> Any:
-        """`PreTrainedModel.save_pretrained`, optionally without the (target's, frozen) token embedding.
+        """`PreTrainedModel.save_pretrained`, optionally without the (target's, frozen) token embedding, plus the
+        model card (README.md, see `eagle3_hf.modeling.model_card`) and `training_info.json` when
+        `self.training_info` holds what training recorded.
 
         `include_embedding=False` keeps shipped drafts small; loading one then needs `target=`. An embedding that was
         never loaded is always left out: it holds random values until the draft gets the target's, and saving them
-        would make a later load take them for a real embedding.
+        would make a later load take them for a real embedding. A README.md this library did not write is kept.
         """
         if (not self.embedding_loaded or not include_embedding) and state_dict is None:
             state_dict = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
-        return super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        result = super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
+        if is_main_process:
+            self._save_card(os.fspath(save_directory))
+        return result
+
+    def _save_card(self, folder: str) -> None:
+        info_path = os.path.join(folder, TRAINING_INFO_NAME)
+        info = dict(getattr(self, "training_info", None) or {})
+        if info:
+            with open(info_path, "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=2)
+                f.write("\n")
+        elif os.path.isfile(info_path):
+            with open(info_path, encoding="utf-8") as f:
+                info = json.load(f)
+        card_path = os.path.join(folder, CARD_NAME)
+        if not os.path.isfile(card_path) or is_our_card(card_path):
+            build_model_card(self.config, info).save(card_path)
+
+    def push_to_hub(  # type: ignore[override]
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        include_embedding: bool = True,
+        **save_kwargs: Any,
+    ) -> Any:
+        """Upload the draft, as `save_pretrained` writes it (model card included), to the Hub repo `repo_id`."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token if isinstance(token, str) else None)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, include_embedding=include_embedding, **save_kwargs)
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=folder, commit_message=commit_message or "Upload EAGLE-3 draft",
+                revision=revision, create_pr=create_pr,
+            )  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
         if name == "generation_config":
@@ -353,7 +402,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         binder = _BINDERS.get("bind")
         if binder is None:
             raise RuntimeError(
-                "No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation (`import eagle3_hf` does)."
+                "No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation (`from eagle3_hf import "
+                "Eagle3DraftModel` does)."
             )
         binder(self, target)
         return self

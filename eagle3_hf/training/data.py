@@ -12,16 +12,17 @@ Templates with ``{% generation %}`` markers define the assistant text themselves
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
+
+from eagle3_hf.training.data_files import DATA_SUFFIXES, is_dataset_id, read_records  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,15 @@ _FORMATS = (
     "Alpaca ('instruction', 'output')"
 )
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_SHARD_GLOB = re.compile(r"shard_\d+\.jsonl")
 
 __all__ = [
+    "DATA_SUFFIXES",
     "DataStats",
     "as_conversations",
     "assistant_char_spans",
     "build_dataset",
     "has_generation_markers",
+    "is_dataset_id",
     "normalize_conversation",
     "normalize_messages",
     "read_conversations",
@@ -67,12 +69,14 @@ __all__ = [
 def _normalize_turn(turn: object, where: str) -> dict[str, str]:
     if not isinstance(turn, Mapping):
         raise ValueError(f"{where}: expected a turn as a dict, got {type(turn).__name__}.")
-    if "role" in turn and "content" in turn:
+    # Rows read through `datasets` carry every key of the file's schema, None where a record lacks it.
+    if turn.get("role") is not None and "content" in turn:
         speaker, text = turn["role"], turn["content"]
-    elif "from" in turn and "value" in turn:
+    elif turn.get("from") is not None and "value" in turn:
         speaker, text = turn["from"], turn["value"]
     else:
-        raise ValueError(f"{where}: a turn has keys {sorted(turn)}; expected 'role'/'content' or 'from'/'value'.")
+        keys = sorted(k for k, v in turn.items() if v is not None)
+        raise ValueError(f"{where}: a turn has keys {keys}; expected 'role'/'content' or 'from'/'value'.")
     role = _ROLE_ALIASES.get(str(speaker).lower())
     if role is None:
         raise ValueError(f"{where}: unknown speaker {speaker!r}; expected one of {sorted(_ROLE_ALIASES)}.")
@@ -89,11 +93,11 @@ def normalize_messages(record: Mapping | list, where: str = "record") -> list[di
         turns = record
     elif not isinstance(record, Mapping):
         raise ValueError(f"{where}: expected a dict or a list of turns, got {type(record).__name__}.")
-    elif "conversations" in record:
+    elif record.get("conversations") is not None:
         turns = record["conversations"]
-    elif "messages" in record:
+    elif record.get("messages") is not None:
         turns = record["messages"]
-    elif "instruction" in record and "output" in record:
+    elif record.get("instruction") is not None and record.get("output") is not None:
         prompt = record["instruction"] or ""
         if record.get("input"):
             prompt = f"{prompt}\n\n{record['input']}" if prompt else record["input"]
@@ -103,7 +107,8 @@ def normalize_messages(record: Mapping | list, where: str = "record") -> list[di
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
     else:
-        raise ValueError(f"{where} has keys {sorted(record)}; accepted formats are {_FORMATS}.")
+        keys = sorted(k for k, v in record.items() if v is not None)
+        raise ValueError(f"{where} has keys {keys}; accepted formats are {_FORMATS}.")
     if not isinstance(turns, list):
         raise ValueError(f"{where}: expected a list of turns, got {type(turns).__name__}.")
     return [_normalize_turn(turn, where) for turn in turns]
@@ -118,70 +123,23 @@ def normalize_conversation(record: Mapping | list, index: int) -> dict:
     }
 
 
-def _iter_json_list(text: str, path: str) -> Iterator[object]:
-    """Yield the records of a JSON list one by one, stopping (with a warning) where the file is cut off.
-
-    Decoding record by record instead of `json.loads` reads the truncated ShareGPT dump, and stops early when only
-    the first few records are wanted.
-    """
-    decoder = json.JSONDecoder()
-    separators = re.compile(r"[\s,]*")
-    position = separators.match(text, text.index("[") + 1).end()
-    count = 0
-    while position < len(text) and text[position] != "]":
-        try:
-            record, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            logger.warning(
-                "%s stops being valid JSON at character %d of %d; kept the %d whole records before it.",
-                path, position, len(text), count,
-            )
-            return
-        count += 1
-        yield record
-        position = separators.match(text, position).end()
-
-
-def _iter_file(path: str) -> Iterator[object]:
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path} line {line_no} is not valid JSON: {error}") from error
-        return
-    if not path.endswith(".json"):
-        raise ValueError(f"Cannot read {path!r}: expected a .json list, a .jsonl file or a folder of shard_*.jsonl.")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text.lstrip().startswith("["):
-        raise ValueError(f"{path} does not hold a JSON list of records (it starts with {text.lstrip()[:20]!r}).")
-    yield from _iter_json_list(text, path)
-
-
 def read_conversations(
     source: str | os.PathLike | Dataset | Iterable, limit: int | None = None
 ) -> list[dict]:
-    """Read conversations from a file, a folder of ``shard_*.jsonl`` files, a `datasets.Dataset` or an iterable.
+    """Read conversations from a data file, a folder of them, a Hub dataset id, a `datasets.Dataset` or an iterable.
 
-    Returns ``[{"id", "messages"}, ...]`` with at most `limit` conversations. Conversations without an assistant
-    turn are kept here (they are still prompts for `regenerate_responses`); `build_dataset` skips and counts them.
+    Files are JSON (a list), JSON Lines, either gzip-compressed (``.json.gz``, ``.jsonl.gz``), or parquet, read with
+    `datasets.load_dataset` from the local files only; a folder contributes every such file directly in it, in name
+    order. A JSON list that is cut off (the ShareGPT dump) is read up to its last whole record. Returns
+    ``[{"id", "messages"}, ...]`` with at most `limit` conversations. Conversations without an assistant turn are
+    kept here (they are still prompts for `regenerate_responses`); `build_dataset` skips and counts them.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be None or >= 0, got {limit}.")
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        if os.path.isdir(path):
-            shards = sorted(f for f in os.listdir(path) if _SHARD_GLOB.fullmatch(f))
-            if not shards:
-                raise ValueError(f"The folder {path!r} holds no shard_*.jsonl files.")
-            records: Iterable = (r for shard in shards for r in _iter_file(os.path.join(path, shard)))
-        elif os.path.isfile(path):
-            records = _iter_file(path)
-        else:
-            raise ValueError(f"No such file or folder: {path!r}.")
+        records: Iterable = read_records(os.fspath(source))
+        if isinstance(records, Dataset) and limit is not None:
+            records = records.select(range(min(limit, len(records))))
     else:
         records = source
     conversations = []
@@ -384,6 +342,11 @@ def build_dataset(
     stats.tokens_cut = sum(cuts)
     stats.skipped_no_supervised = sum(1 for s in supervised if s == 0)
     keep = [i for i, s in enumerate(supervised) if s > 0]
+    if not keep:
+        raise ValueError(
+            f"None of the {len(rows)} conversations keeps an assistant token within max_length={max_length} tokens "
+            "(the prompt and template come first), so there is nothing to train on; raise max_length."
+        )
     dataset = dataset.select(keep).remove_columns("num_tokens_cut")
     stats.tokens = sum(len(ids) for ids in dataset["input_ids"])
     stats.supervised_tokens = sum(supervised)

@@ -37,6 +37,7 @@ from transformers import PreTrainedModel
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
 from eagle3_hf.training.ttt import target_top_k
+from eagle3_hf.training.arguments import DEFAULT_TOP_K
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ MANIFEST_NAME = "features.json"
 # Format 1 stored logits restricted to one draft vocabulary: its top token was the best in-vocabulary one, not the
 # target's, so accuracies read from it overstate acceptance. It is refused, not converted.
 FEATURES_FORMAT = "eagle3_hf.features/2"
-DEFAULT_TOP_K = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["estimate_feature_bytes", "online_features", "precompute_features"]

@@ -14,10 +14,10 @@ from typing import Any
 
 from datasets import Dataset
 
+from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, SPLITS
+
 __all__ = ["DEFAULT_HELD_OUT_FRACTION", "SPLITS", "held_out_score", "is_held_out", "split_filter", "split_held_out"]
 
-DEFAULT_HELD_OUT_FRACTION = 0.02
-SPLITS = ("train", "held-out", "all")
 
 
 def held_out_score(conversation_id: str) -> float:

@@ -6,6 +6,7 @@ tokenizer is passed in, so that loading it by target name stays with target load
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +37,11 @@ def tokenise_data(
             "of their id, about 2% of them): give more data, or another split."
         )
     dataset, stats = build_dataset(conversations, tokenizer, max_length)
-    print(
-        f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} tokens, "
-        f"{stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
-        f"{stats.truncated} truncated to {max_length})."
-    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, every process reads the data: one says so
+        print(
+            f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} "
+            f"tokens, "
+            f"{stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
+            f"{stats.truncated} truncated to {max_length})."
+        )
     return dataset, stats

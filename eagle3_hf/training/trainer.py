@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,10 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from eagle3_hf.training.arguments import Eagle3TrainingOptions
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-from eagle3_hf.training.features import DEFAULT_TOP_K, _base_draft, online_features
+from eagle3_hf.training.features import _base_draft, online_features
+from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
@@ -46,47 +49,19 @@ __all__ = [
 
 
 @dataclass
-class Eagle3TrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus the EAGLE-3 settings.
-
-    Args:
-        ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
-        ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
-        feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
-            ``target_hidden_states`` / ``target_top_logits`` / ``target_top_ids``, e.g. from `OfflineFeatureDataset`).
-        logits_top_k: online features keep the target's `logits_top_k` largest logits per position, as offline
-            features do (`eagle3-hf features --logits-top-k`); the soft label is their softmax over the draft
-            vocabulary's ids. Offline batches carry their own.
-        draft_vocab_size: expected size of the draft head; checked against the draft when given.
-        max_length: longer rows are cut by the default collator.
-        build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
-            ``0..Vd-1``), build it from the training data's supervised tokens before training.
+class Eagle3TrainingArguments(Eagle3TrainingOptions, TrainingArguments):
+    """`TrainingArguments` plus the EAGLE-3 settings of `Eagle3TrainingOptions` (``ttt_length``, ``ttt_decay``,
+    ``feature_mode``, ``logits_top_k``, ``draft_vocab_size``, ``max_length``, ``build_draft_vocab``).
 
     `remove_unused_columns` defaults to False (the batches carry ``loss_mask`` and features the draft's forward does
     not name).
     """
 
-    ttt_length: int = field(default=7, metadata={"help": "TTT steps per position"})
-    ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of step j is ttt_decay**j"})
-    feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
-    logits_top_k: int = field(default=DEFAULT_TOP_K, metadata={"help": "target logits kept per position (online)"})
-    draft_vocab_size: int | None = field(default=None, metadata={"help": "expected draft vocabulary size"})
-    max_length: int | None = field(default=2048, metadata={"help": "cut longer rows in the default collator"})
-    build_draft_vocab: bool = field(default=True, metadata={"help": "build a placeholder draft vocabulary from data"})
     remove_unused_columns: bool = field(default=False, metadata={"help": "keep loss_mask and feature columns"})
 
     def __post_init__(self) -> None:
+        self.check_eagle3_options()  # before TrainingArguments' own set-up, which may touch devices
         super().__post_init__()
-        if not isinstance(self.ttt_length, int) or self.ttt_length < 1:
-            raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
-        if not 0 < self.ttt_decay <= 1:
-            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
-        if self.feature_mode not in ("online", "offline"):
-            raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
-        if not isinstance(self.logits_top_k, int) or self.logits_top_k < 1:
-            raise ValueError(f"logits_top_k must be a positive integer, got {self.logits_top_k!r}.")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length must be None or >= 2, got {self.max_length!r}.")
 
 
 @dataclass
@@ -347,6 +322,17 @@ class Eagle3Trainer(Trainer):
         metrics.update({f"{prefix}loss_{j}": round(float(losses[j] / batches.clamp(min=1)), 4) for j in range(k)})
         metrics[f"{prefix}sim_accept_len"] = round(simulated_acceptance_length(acc), 4)
         return metrics
+
+    def create_model_card(self, **kwargs: Any) -> None:
+        """Write the draft's own model card (`eagle3_hf.modeling.model_card`) into `args.output_dir`.
+
+        `Trainer.push_to_hub` calls this; the stock card would describe a fine-tuned language model.
+        """
+        if not self.is_world_process_zero():
+            return
+        draft = _base_draft(self.accelerator.unwrap_model(self.model))
+        info = {"steps": self.state.global_step, "ttt_length": self.args.ttt_length, **(draft.training_info or {})}
+        build_model_card(draft.config, info).save(os.path.join(self.args.output_dir, CARD_NAME))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the TTT metrics accumulated since the last log (gathered across processes) and log."""

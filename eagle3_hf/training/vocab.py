@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_held_out
+from eagle3_hf.training.arguments import DEFAULT_MIN_COVERAGE
 
 __all__ = [
     "CANDIDATE_VOCAB_SIZES",
@@ -227,7 +228,6 @@ def _vocab_of_draft_folder(folder: str) -> DraftVocab:
 # ------------------------------------------------------------------------------------------------------------------
 
 CANDIDATE_VOCAB_SIZES = (4096, 8192, 16384, 32768)
-DEFAULT_MIN_COVERAGE = 0.95
 
 
 def coverage_by_size(

@@ -1,0 +1,73 @@
+"""The EAGLE-3 training options, apart from `transformers.TrainingArguments` so that reading them is cheap.
+
+`Eagle3TrainingArguments` (trainer.py) is `TrainingArguments` plus these fields. They live in their own dataclass,
+which imports nothing heavy, so that `eagle3-hf train --help` can list them without importing transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "SPLITS", "Eagle3TrainingOptions"
+]
+
+# Defaults shared by the training modules and the command line, kept here so that reading them imports nothing.
+DEFAULT_TOP_K = 64  # target logits kept per position (online features, offline shards)
+DEFAULT_MIN_COVERAGE = 0.95  # held-out coverage `--draft-vocab-size auto` must reach
+DEFAULT_HELD_OUT_FRACTION = 0.02  # share of conversations (by id hash) training leaves out
+SPLITS = ("train", "held-out", "all")
+
+
+@dataclass
+class Eagle3TrainingOptions:
+    """The EAGLE-3 settings of `Eagle3TrainingArguments`.
+
+    Args:
+        ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
+        ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
+        feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
+            ``target_hidden_states`` / ``target_top_logits`` / ``target_top_ids``, e.g. from `OfflineFeatureDataset`).
+        logits_top_k: online features keep the target's `logits_top_k` largest logits per position, as offline
+            features do (`eagle3-hf features --logits-top-k`); the soft label is their softmax over the draft
+            vocabulary's ids. Offline batches carry their own.
+        draft_vocab_size: expected size of the draft head; checked against the draft when given.
+        max_length: longer rows are cut by the default collator.
+        build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
+            ``0..Vd-1``), build it from the training data's supervised tokens before training.
+    """
+
+    ttt_length: int = field(default=7, metadata={"help": "TTT steps per position (step j predicts j+2 ahead)"})
+    ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of TTT step j is ttt_decay**j"})
+    feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
+    logits_top_k: int = field(
+        default=DEFAULT_TOP_K, metadata={"help": "target logits per token the soft labels are built from (online; "
+                                                 "offline features carry their own)"},
+    )  # fmt: skip
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "size of the draft's head; None: the target's vocabulary (the train command also takes "
+                          "'auto': the smallest of 4096/8192/16384/32768 reaching --min-coverage held out)"},
+    )
+    max_length: int | None = field(default=2048, metadata={"help": "tokens per conversation (longer ones are cut)"})
+    build_draft_vocab: bool = field(
+        default=True, metadata={"help": "build a placeholder draft vocabulary from the training data"}
+    )
+
+    def check_eagle3_options(self) -> None:
+        """Raise `ValueError` naming the first option whose value cannot train a draft."""
+        if not isinstance(self.ttt_length, int) or self.ttt_length < 1:
+            raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
+        if self.feature_mode not in ("online", "offline"):
+            raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
+        if not isinstance(self.logits_top_k, int) or self.logits_top_k < 1:
+            raise ValueError(f"logits_top_k must be a positive integer, got {self.logits_top_k!r}.")
+        if self.max_length is not None and self.max_length < 3:
+            raise ValueError(
+                f"max_length must be None or >= 3 (the draft predicts the token two ahead of each position), got "
+                f"{self.max_length!r}."
+            )
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be None or >= 1, got {self.draft_vocab_size!r}.")
