@@ -35,9 +35,10 @@ SHARDED = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"state_dict_type": "S
 
 
 def training_args(output_dir, **overrides):
-    """The arguments test_fsdp.py also uses for its one-process run (there with per-device batch 4)."""
+    """The arguments test_fsdp.py also uses for its one-process run (there accumulating 2 micro-batches a step)."""
     values = dict(
-        output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2, ttt_length=3,
+        output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        learning_rate=1e-2, ttt_length=3,
         lr_scheduler_type="constant", logging_steps=1, save_strategy="steps", save_steps=2, seed=0,
         report_to="none", disable_tqdm=True, use_cpu=True,
     )  # fmt: skip
