@@ -29,6 +29,8 @@ __all__ = [
     "check_fsdp_loading",
     "check_fsdp_plugin",
     "distributed_rank",
+    "enable_cpu_fsdp",
+    "fsdp_mesh",
     "fsdp_memory_per_process",
     "init_distributed_from_launcher",
     "is_fsdp2_module",
@@ -174,6 +176,36 @@ def shard_frozen_target(
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True)
     fully_shard(target, mesh=mesh, reshard_after_forward=True)
     return target
+
+
+def enable_cpu_fsdp(accelerator: Any, fsdp_plugin_args: dict | None) -> bool:
+    """Switch accelerate's FSDP plugin on for CPU processes (gloo) when FSDP was asked for; True if it did.
+
+    accelerate enables its FSDP plugin for GPUs and other accelerators only: on CPU processes it silently falls back
+    to DDP. Its FSDP2 code path (sharding, state dicts, checkpoints) runs on CPU with gloo all the same. FSDP is
+    asked for by the arguments (`fsdp_plugin_args`, `TrainingArguments.fsdp_plugin_args`) or by an accelerate
+    config (``ACCELERATE_USE_FSDP``, the plugin then reads the launcher's ``FSDP_*`` settings).
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    asked = fsdp_plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if not asked or state.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    plugin = FullyShardedDataParallelPlugin(**(fsdp_plugin_args or {}))
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    # Both states: every AcceleratorState() re-reads distributed_type from the process's PartialState.
+    PartialState().distributed_type = state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    return True
+
+
+def fsdp_mesh(accelerator: Any) -> Any:
+    """The device mesh accelerate shards the draft over (`None`: the default process group)."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    return None if mesh is None else mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
 
 
 def check_fsdp_loading(cpu_ram_efficient_loading: bool | None = None) -> None:

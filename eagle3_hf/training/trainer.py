@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from eagle3_hf.training.distributed import (
     check_fsdp_plugin,
+    enable_cpu_fsdp,
+    fsdp_mesh,
     is_fsdp2_module,
     refuse_deepspeed,
     reshard,
@@ -258,34 +258,16 @@ class Eagle3Trainer(Trainer):
         self.model_accepts_loss_kwargs = False
         self._check_distributed(model)
         if target is not None and self.is_fsdp_enabled:
-            target = shard_frozen_target(target, mesh=self._fsdp_mesh())  # moves each shard to this rank's device
+            target = shard_frozen_target(target, mesh=fsdp_mesh(self.accelerator))  # shards on this rank's device
         elif target is not None:
             target = target.to(self.args.device)
         self.target = target
         self._metric_sums: dict[str, torch.Tensor] = {}
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's accelerator, with the FSDP plugin also switched on for CPU processes (gloo).
-
-        accelerate enables its FSDP plugin for GPUs and other accelerators only: on CPU processes it silently falls
-        back to DDP. The same FSDP2 code path (sharding, state dicts, checkpoints) runs on CPU with the gloo
-        backend, so the plugin is switched on there too.
-        """
+        """The Trainer's accelerator, with the FSDP plugin also switched on for CPU processes (`enable_cpu_fsdp`)."""
         super().create_accelerator_and_postprocess()
-        state = self.accelerator.state
-        use_fsdp = self.args.fsdp_plugin_args is not None or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-        if self.is_fsdp_enabled or not use_fsdp or state.distributed_type != DistributedType.MULTI_CPU:
-            return
-        from accelerate.state import PartialState
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        plugin = FullyShardedDataParallelPlugin(**(self.args.fsdp_plugin_args or {}))  # {}: from the environment
-        if state.mixed_precision != "no":
-            plugin.set_mixed_precision(state.mixed_precision)
-        # Both states: every AcceleratorState() re-reads distributed_type from the process's PartialState.
-        PartialState().distributed_type = state.distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = plugin
-        self.is_fsdp_enabled = True
+        self.is_fsdp_enabled = self.is_fsdp_enabled or enable_cpu_fsdp(self.accelerator, self.args.fsdp_plugin_args)
 
     def _check_distributed(self, model: nn.Module) -> None:
         """Refuse the distributed set-ups that are not supported, naming the setting to change."""
@@ -296,13 +278,6 @@ class Eagle3Trainer(Trainer):
         check_fsdp_plugin(self.accelerator.state.fsdp_plugin)
         if model is not _base_draft(model):
             raise ValueError("A PEFT-wrapped draft is not supported under FSDP; train it under DDP.")
-
-    def _fsdp_mesh(self) -> Any:
-        """The device mesh accelerate shards the draft over (`None`: the default process group)."""
-        mesh = getattr(self.accelerator, "torch_device_mesh", None)
-        if mesh is None:
-            return None
-        return mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
 
     @staticmethod
     def _check_dataset(draft: Eagle3DraftModel, dataset: Any, args: Eagle3TrainingArguments, name: str) -> None:
