@@ -153,8 +153,16 @@ def load_target(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
+    device_map: str | dict | None = None,
+    shard: bool = False,
 ) -> PreTrainedModel:
     """Load a target causal LM in eval mode.
+
+    With `device_map` (e.g. ``"auto"``) accelerate places the layers over the visible devices (and CPU memory, then
+    disk, when they do not fit) instead of moving the whole model to `device`. With `shard=True` the target is
+    sharded with FSDP2 over the processes of the initialised torch.distributed group while it loads (transformers'
+    ``DistributedConfig(fsdp_size=world_size)``): each process keeps about ``1/world_size`` of every
+    weight, on its own device; every process must then run each forward together.
 
     GGUF weights are dequantized by transformers into plain `dtype` tensors; the quantizer left on the model is
     removed so that `save_pretrained` writes an ordinary checkpoint. `model.config._name_or_path` is set to the
@@ -168,6 +176,14 @@ def load_target(
         kwargs["gguf_file"] = gguf_file
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if shard:
+        if not torch.distributed.is_initialized():
+            raise ValueError("load_target(shard=True) needs an initialised torch.distributed group (torchrun).")
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(fsdp_size=torch.distributed.get_world_size())
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     except OSError as err:  # a Hub id that cannot be fetched: say so in one line, naming what was asked for
@@ -178,7 +194,7 @@ def load_target(
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     model.config._name_or_path = target_hub_id(name_or_path) or str(name_or_path)
-    return model.to(device).eval()
+    return (model if device_map is not None or shard else model.to(device)).eval()
 
 
 def _read_marker(folder: str) -> dict | None:

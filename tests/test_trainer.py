@@ -21,6 +21,7 @@ from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.features import online_features
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
+from trainer_callbacks import StopAt
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).parents[1]
@@ -119,18 +120,6 @@ def test_save_model_writes_only_the_draft_and_the_state_logs_accuracy(target, da
     assert any("acc_0" in log and "sim_accept_len" in log for log in state["log_history"])
     assert not any(p.requires_grad for p in target.parameters())
     assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)  # frozen, the target's
-
-
-class StopAt(TrainerCallback):
-    """Stop training after `step` (its checkpoint is written first): a kill right after a save."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-        return control
 
 
 def test_resume_reproduces_an_uninterrupted_run(target, dataset, tmp_path):

@@ -30,7 +30,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 2,L//2,L-3)")  # fmt: skip
     parser.add_argument("--storage-dtype", default="bfloat16", choices=DTYPES, help="dtype on disk")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the target runs in")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, ...; under torchrun each process takes its local "
+                        "device (cuda:LOCAL_RANK)")  # fmt: skip
+    parser.add_argument("--device-map", default=None, help='"auto": spread the target over the devices of the '
+                        "machine (accelerate big-model inference), for targets one device cannot hold")  # fmt: skip
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -40,6 +43,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     from eagle3_hf.targets import check_device, load_target, load_tokenised_data
     from eagle3_hf.training.features import precompute_features
+    from eagle3_hf.training.distributed import check_device_map, init_distributed_from_launcher, process_device
     from eagle3_hf.training.split import split_filter
 
     check_device(args.device)
@@ -53,7 +57,9 @@ def run_cli(args: argparse.Namespace) -> int:
             ) from None
     select = split_filter(args.split, args.held_out_fraction)
     _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    init_distributed_from_launcher()  # under torchrun / accelerate launch each process writes its share of shards
+    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=process_device(args.device),
+                         device_map=check_device_map(args.device_map))  # fmt: skip
     shards = precompute_features(
         target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,
         dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,

@@ -355,6 +355,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.data_files import is_dataset_id
+    from eagle3_hf.training.distributed import check_fsdp_loading, init_distributed_from_launcher
     from eagle3_hf.training.trainer import Eagle3Trainer
 
     offline = args.features is not None
@@ -363,7 +364,11 @@ def run_cli(args: argparse.Namespace) -> int:
     resolve_target(args.target)
     set_seed(training_args.seed)
     dataset, eval_dataset, vocab_rows = _data(args, training_args, offline)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype))
+    # Under FSDP (--fsdp, or an accelerate FSDP config) each process loads only its shard of the target.
+    fsdp = bool(training_args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    check_fsdp_loading()
+    target = load_target(args.target, dtype=getattr(torch, args.dtype),
+                         shard=fsdp and init_distributed_from_launcher()[1] > 1)  # fmt: skip
     if args.target_id:
         target.config._name_or_path = args.target_id
     draft = _draft(args, target, vocab_rows, overrides)

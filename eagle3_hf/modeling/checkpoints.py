@@ -251,10 +251,21 @@ def embeddings_match(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     return True
 
 
+def whole_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """A weight of the target, whole: one of a target sharded with FSDP2 is a slice per process (a DTensor),
+    gathered here (a collective: every process of the group must call this). Other tensors are returned as they are."""
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+def target_embedding(target: PreTrainedModel) -> torch.Tensor:
+    """The target's input embedding weight ``[V, H]``, whole (gathered from an FSDP2-sharded target)."""
+    return whole_tensor(target.get_input_embeddings().weight)
+
+
 def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, replace: bool) -> None:
     """Give the draft the target's embedding where it has none; refuse one that differs unless `replace`."""
     config = draft.config
-    target_weight = target.get_input_embeddings().weight
+    target_weight = target_embedding(target)
     if not draft.embedding_loaded or replace:
         if config.hidden_size != config.target_hidden_size:
             raise ValueError(

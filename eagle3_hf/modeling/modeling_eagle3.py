@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from eagle3_hf.modeling.checkpoints import load_draft
+from eagle3_hf.modeling.checkpoints import load_draft, target_embedding
 from eagle3_hf.modeling.families import get_family
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
@@ -169,8 +169,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return draft
 
     def load_target_embedding(self, target: PreTrainedModel) -> None:
-        """Copy (and freeze) the target's token embedding into the draft."""
-        weight = target.get_input_embeddings().weight
+        """Copy (and freeze) the target's token embedding into the draft (gathered from an FSDP2-sharded target)."""
+        weight = target_embedding(target)
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
             raise ValueError(
                 f"The target's token embedding has shape {tuple(weight.shape)}, the draft expects "

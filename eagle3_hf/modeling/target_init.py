@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from eagle3_hf.modeling.checkpoints import whole_tensor
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ def _decoder(target: PreTrainedModel) -> nn.Module:
 
 
 def _copy(name: str, destination: torch.Tensor, source: torch.Tensor, copied: list[str]) -> None:
+    source = whole_tensor(source)  # a weight of an FSDP2-sharded target
     if tuple(destination.shape) != tuple(source.shape):
         logger.warning(
             "Target-derived init: %s skipped, the draft's is %s and the target's %s.",
@@ -70,7 +72,8 @@ def init_head_from_target(draft: Any, target: PreTrainedModel) -> list[str]:
         raise ValueError(f"{type(target).__name__} has no output embeddings (get_output_embeddings() is None).")
     ids = draft_to_target_ids(torch.arange(draft.config.draft_vocab_size, device=draft.d2t.device), draft.d2t)
     copied: list[str] = []
-    _copy("lm_head.weight", draft.lm_head.weight, head.weight[ids.to(head.weight.device)], copied)
+    rows = whole_tensor(head.weight)
+    _copy("lm_head.weight", draft.lm_head.weight, rows[ids.to(rows.device)], copied)
     norm = getattr(_decoder(target), "norm", None)
     if norm is not None and hasattr(norm, "weight"):
         _copy("norm.weight", draft.norm.weight, norm.weight, copied)
@@ -126,7 +129,7 @@ def remap_draft_vocab(
     head = nn.Linear(old_head.shape[1], d2t.numel(), bias=False, device=old_head.device, dtype=old_head.dtype)
     draft._init_weights(head)
     if target is not None:
-        rows = target.get_output_embeddings().weight
+        rows = whole_tensor(target.get_output_embeddings().weight)
         _copy("lm_head.weight", head.weight, rows[new_ids.to(rows.device)], [])
     # old_index[target id] = its row in the old head, -1 where the old vocabulary did not hold it
     old_index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=old_head.device)

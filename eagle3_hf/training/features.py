@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.training.distributed import barrier, distributed_rank
 from eagle3_hf.training.ttt import target_top_k
 from eagle3_hf.training.arguments import DEFAULT_TOP_K
 
@@ -195,6 +196,10 @@ def precompute_features(
     `ValueError` is raised before anything is written. Rerunning with the same arguments skips complete shards;
     a folder holding features of other data or settings is refused. Returns the shard paths.
 
+    In an initialised torch.distributed group (`eagle3-hf features` under torchrun), every process runs this with the
+    same arguments: process r of N writes every N-th missing shard, process 0 the manifest, and each
+    returns once the folder is complete; it equals what one process writes.
+
     Example:
 
     ```python
@@ -259,20 +264,23 @@ def precompute_features(
     total = estimate_feature_bytes(manifest["num_tokens"], hidden, top_k, dtype, len(rows))
     needed = estimate_feature_bytes(pending_tokens, hidden, top_k, dtype, pending_samples)
     free = shutil.disk_usage(_existing_parent(output_dir)).free
-    print(
-        f"Offline features: {len(rows)} samples, {manifest['num_tokens']} tokens, about {_fmt_bytes(total)} in "
-        f"{dtype_name}, {_fmt_bytes(total / max(manifest['num_tokens'], 1))} a token with the top {top_k} logits "
-        f"({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
-        f"{_fmt_bytes(free)} free in {_existing_parent(output_dir)}."
-    )
+    rank, world_size = distributed_rank()
+    if rank == 0:
+        print(
+            f"Offline features: {len(rows)} samples, {manifest['num_tokens']} tokens, about {_fmt_bytes(total)} in "
+            f"{dtype_name}, {_fmt_bytes(total / max(manifest['num_tokens'], 1))} a token with the top {top_k} logits "
+            f"({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
+            f"{_fmt_bytes(free)} free in {_existing_parent(output_dir)}."
+        )
     if needed > free:
         raise ValueError(
             f"Not enough disk for the offline features: about {_fmt_bytes(needed)} are needed in {output_dir!r} but "
             f"only {_fmt_bytes(free)} are free. Use a smaller --logits-top-k, bfloat16, fewer or shorter samples, "
             "another folder, or online features (no disk)."
         )
+    barrier()  # every process has checked the folder before the first one changes it
     os.makedirs(output_dir, exist_ok=True)
-    if not os.path.isfile(manifest_path):
+    if rank == 0 and not os.path.isfile(manifest_path):
         _write_json(manifest_path, manifest)  # a manifest means the folder is set up
     device = next(target.parameters()).device
 
@@ -280,14 +288,19 @@ def precompute_features(
         return select_target_features(hidden_states, layer_ids)
 
     for name in os.listdir(output_dir):
-        if name.startswith(".shard_") and name.endswith(".tmp"):
+        if rank == 0 and name.startswith(".shard_") and name.endswith(".tmp"):
             os.remove(os.path.join(output_dir, name))  # left by a killed run
+    barrier()  # the folder is set up before any process writes a shard
     was_training = target.training
     target.eval()
     try:
-        _write_shards(target, rows, spans, pending, output_dir, taps, top_k, dtype, batch_size, device)
+        # Process r of n writes every n-th missing shard: shards are named by their place in the data set, so the
+        # folder is the same whichever process wrote which shard.
+        mine = pending[rank::world_size]
+        _write_shards(target, rows, spans, mine, output_dir, taps, top_k, dtype, batch_size, device)
     finally:
         target.train(was_training)
+    barrier()  # the folder is complete when any process returns
     return [shard_path(output_dir, k) for k in range(len(spans))]
 
 

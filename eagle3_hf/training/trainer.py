@@ -13,7 +13,6 @@ target top token the draft vocabulary holds, step 0), ``loss_0..loss_{K-1}`` and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -27,6 +26,16 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from eagle3_hf.training.arguments import Eagle3TrainingOptions
+from eagle3_hf.training.distributed import (
+    check_fsdp_plugin,
+    enable_cpu_fsdp,
+    fsdp_mesh,
+    is_fsdp2_module,
+    refuse_deepspeed,
+    reshard,
+    routed_forward,
+    shard_frozen_target,
+)
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.features import _base_draft, online_features
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
@@ -132,35 +141,36 @@ def install_draft_vocab(draft: nn.Module, dataset: Dataset | Any) -> DraftVocab:
     return vocab
 
 
-@contextlib.contextmanager
-def _routed_forward(module: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
-    """Make `module(...)` run `fn(...)` while the context is open.
-
-    DistributedDataParallel synchronises gradients only for work done inside its own forward, so the TTT computation
-    must run as the wrapped module's forward; an instance attribute shadows the class's `forward` for that call.
-    """
-    saved = module.__dict__.get("forward")
-    module.forward = fn
-    try:
-        yield
-    finally:
-        if saved is None:
-            del module.forward
-        else:
-            module.forward = saved
-
-
 class Eagle3Trainer(Trainer):
     r"""`Trainer` for EAGLE-3 drafts: features (online from `target`, or offline in the batch) -> TTT -> loss.
 
-    Distributed training runs one process per device (`accelerate launch`, `torchrun`) under DDP; the TTT
-    computation goes through DDP's forward so that gradients are averaged. FSDP and DeepSpeed are not supported yet.
+    Distributed training runs one process per device (`accelerate launch`, `torchrun`; several machines too):
+
+    * **DDP** (the default): the draft is replicated, the TTT computation runs inside DDP's forward so that
+      gradients are averaged; an online target is replicated too.
+    * **FSDP2** (``fsdp="full_shard auto_wrap"`` or ``"shard_grad_op auto_wrap"`` in the arguments, or an
+      accelerate config with ``fsdp_version: 2``): accelerate shards the draft (its decoder layer, embedding and
+      head are units of their own) and the TTT computation runs inside the sharded modules' forwards, so gradients
+      are reduce-scattered; an online target is sharded layer by layer for forward passes only
+      (`shard_frozen_target`, unless it was sharded at load time with `load_target(..., shard=True)`), so each
+      process holds ``1/world_size`` of it. On CPU processes (gloo), where accelerate leaves its FSDP plugin off,
+      the trainer switches it on. Checkpoints: ``fsdp_config["state_dict_type"]`` ``"FULL_STATE_DICT"`` (default;
+      the gathered weights in ``pytorch_model_fsdp.bin``) or ``"SHARDED_STATE_DICT"`` (torch.distributed.checkpoint
+      folders), with the optimizer state alike; training resumes from either. Every checkpoint and `save_model`
+      also hold the gathered draft in its native layout, which `Eagle3DraftModel.from_pretrained` loads in one
+      process. bf16 and ``gradient_checkpointing`` work under FSDP.
+
+    Refused with a `ValueError`: DeepSpeed (every ZeRO stage), FSDP1 (``fsdp_version: 1``), FSDP's
+    ``cpu_ram_efficient_loading`` (it leaves weights loaded with `from_pretrained` empty on all processes but the
+    first), FSDP's own ``activation_checkpointing`` (use ``gradient_checkpointing``), a PEFT draft under FSDP, and
+    `torch.nn.DataParallel` (several GPUs in one process).
 
     Args:
         model: the draft (`Eagle3DraftModel`, or a `peft.PeftModel` around one).
         args: `Eagle3TrainingArguments`.
-        target: the frozen target (online mode): put in eval mode, without gradients, on the training device; it
-            is not handed to the optimizer, accelerate or the checkpoints. A PEFT-wrapped target works.
+        target: the frozen target (online mode): put in eval mode, without gradients, on the training device (or
+            sharded, under FSDP); it is not handed to the optimizer or the checkpoints. A PEFT-wrapped target works
+            (tested under DDP, not under FSDP).
         other arguments: as for `Trainer`; the default collator is `Eagle3DataCollator`.
 
     Example:
@@ -203,6 +213,7 @@ class Eagle3Trainer(Trainer):
             draft.config.check_target_config(target.config)
             target.requires_grad_(False)
             target.eval()
+        refuse_deepspeed(bool(args.deepspeed))
         if args.n_gpu > 1:
             raise ValueError(
                 "Eagle3Trainer does not support torch.nn.DataParallel; launch one process per GPU with "
@@ -220,8 +231,28 @@ class Eagle3Trainer(Trainer):
         )  # fmt: skip
         # Our compute_loss takes no loss kwargs; this keeps the Trainer from counting label tokens for it.
         self.model_accepts_loss_kwargs = False
-        self.target = target.to(self.args.device) if target is not None else None
+        self._check_distributed(model)
+        if target is not None and self.is_fsdp_enabled:
+            target = shard_frozen_target(target, mesh=fsdp_mesh(self.accelerator))  # shards on this rank's device
+        elif target is not None:
+            target = target.to(self.args.device)
+        self.target = target
         self._metric_sums: dict[str, torch.Tensor] = {}
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, with the FSDP plugin also switched on for CPU processes (`enable_cpu_fsdp`)."""
+        super().create_accelerator_and_postprocess()
+        self.is_fsdp_enabled = self.is_fsdp_enabled or enable_cpu_fsdp(self.accelerator, self.args.fsdp_plugin_args)
+
+    def _check_distributed(self, model: nn.Module) -> None:
+        """Refuse the distributed set-ups that are not supported, naming the setting to change."""
+        if self.is_deepspeed_enabled:
+            refuse_deepspeed(True)
+        if not self.is_fsdp_enabled:
+            return
+        check_fsdp_plugin(self.accelerator.state.fsdp_plugin)
+        if model is not _base_draft(model):
+            raise ValueError("A PEFT-wrapped draft is not supported under FSDP; train it under DDP.")
 
     @staticmethod
     def _check_dataset(draft: Eagle3DraftModel, dataset: Any, args: Eagle3TrainingArguments, name: str) -> None:
@@ -278,20 +309,37 @@ class Eagle3Trainer(Trainer):
             batch["target_hidden_states"], batch["target_top_logits"], batch["target_top_ids"] = online_features(
                 self.target, draft, batch["input_ids"], batch["attention_mask"], self.args.logits_top_k
             )
+            reshard(self.target)  # a sharded target keeps no gathered weights between batches
         else:
             missing = [k for k in FEATURE_KEYS if k not in inputs]
             if missing:
                 raise ValueError(f"feature_mode='offline' but the batch lacks {missing}; it has {sorted(inputs)}.")
             batch.update({k: inputs[k] for k in FEATURE_KEYS})
         run = functools.partial(self._ttt, draft)
-        wrapped = getattr(model, "module", None)
-        if isinstance(model, nn.parallel.DistributedDataParallel) and wrapped is not None:
-            with _routed_forward(wrapped, run):
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP syncs gradients of its forward's work
+            with routed_forward(model.module, run):
+                out = model(**batch)
+        elif is_fsdp2_module(model):  # FSDP2 gathers the root's weights and reduces gradients in its hooks
+            with routed_forward(model, run):
                 out = model(**batch)
         else:
             out = run(**batch)
         self._accumulate(out, "train" if model.training else "eval")
         return (out.loss, out) if return_outputs else out.loss
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the draft in its native layout (`Eagle3DraftModel.from_pretrained` reloads it), or a PEFT adapter.
+
+        Under FSDP the draft's full state dict is gathered (a collective: every process must call this) and written
+        by the main process, whatever the FSDP ``state_dict_type``; checkpoints hold it next to FSDP's own model
+        and optimizer state, from which training resumes.
+        """
+        if not self.is_fsdp_enabled:
+            super().save_model(output_dir, _internal_call)
+            return
+        state_dict = self.accelerator.get_state_dict(self.model)
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
 
     def prediction_step(
         self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None

@@ -28,11 +28,15 @@ token over its FULL vocabulary, which is what acceptance measures.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
 import torch
+from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.training.distributed import routed_forward
 
 __all__ = [
     "TTTOutput",
@@ -179,8 +183,16 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
 
 
-def _ttt_step(
-    draft: Eagle3DraftModel,
+def _ttt_step(draft: Eagle3DraftModel, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_layer_step` of `draft`'s layer, run through the layer's call (not its methods): a layer sharded by FSDP2
+    gathers its weights and reduces their gradients in the hooks of that call."""
+    layer = draft.midlayer
+    with routed_forward(layer, functools.partial(_layer_step, layer)):
+        return layer(*tensors)
+
+
+def _layer_step(
+    layer: nn.Module,
     embeds: torch.Tensor,
     hidden: torch.Tensor,
     cos: torch.Tensor,
@@ -194,7 +206,6 @@ def _ttt_step(
     Returns (layer output ``[B, S, H]``, this step's k and v). A plain-tensor signature so that activation
     checkpointing can recompute it.
     """
-    layer = draft.midlayer
     attn = layer.self_attn
     x, residual = layer.layer_input(embeds, hidden)  # [B, S, 2H], [B, S, H]
     q, k, v = layer.qkv(x, (cos, sin))  # [B, heads, S, d], [B, kv, S, d] x2

@@ -1,0 +1,118 @@
+"""Two-process worker for tests/test_fsdp.py (launched by `accelerate launch` or torchrun; not a test module).
+
+    worker.py train OUTPUT        FSDP2 training checks on the tiny target; rank 0 prints one JSON line
+    worker.py cli OUTPUT ARGV...  run `eagle3-hf` commands (each ARGV a JSON list) in these processes
+
+`train` runs, under an accelerate FSDP2 config (full state dict checkpoints):
+  A  6 steps uninterrupted, checkpoints every 2 steps, then the final draft saved, reloaded and used to generate;
+  B  the same run with ``fsdp=...`` in the arguments and sharded checkpoints, stopped after step 4's checkpoint;
+  C  B resumed; D  A resumed from its step-4 checkpoint into another folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.cli import main as cli_main
+from eagle3_hf.training.distributed import fsdp_memory_per_process, parameter_bytes
+from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
+from trainer_callbacks import StopAt
+
+ROOT = pathlib.Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
+tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny)
+
+SHARDED = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}
+
+
+def training_args(output_dir, **overrides):
+    """The arguments test_fsdp.py also uses for its one-process run (there accumulating 2 micro-batches a step)."""
+    values = dict(
+        output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        learning_rate=1e-2, ttt_length=3,
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="steps", save_steps=2, seed=0,
+        report_to="none", disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    values.update(overrides)
+    return Eagle3TrainingArguments(**values)
+
+
+def new_draft(target, dataset):
+    torch.manual_seed(0)
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=48)
+    install_draft_vocab(draft, dataset)
+    return draft
+
+
+def losses(trainer):
+    return {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
+
+
+def run_training(out: pathlib.Path) -> dict:
+    target, dataset = tiny.make_tiny_target(), tiny.synthetic_dataset()
+    summary = {}
+
+    def trainer(folder, callbacks=(), **overrides):
+        args = training_args(folder, **overrides)
+        return Eagle3Trainer(new_draft(target, dataset), args, target=target, train_dataset=dataset,
+                             eval_dataset=dataset.select(range(4)), callbacks=list(callbacks))  # fmt: skip
+
+    whole = trainer(out / "A")
+    summary["target_bytes"] = parameter_bytes(whole.target)  # (this process's shard, unsharded)
+    whole.train()
+    summary["draft_bytes"] = parameter_bytes(whole.model)
+    states = [t for state in whole.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
+    summary["optimizer_bytes"] = sum(t.to_local().numel() * t.element_size() for t in states)  # AdamW's moments
+    summary["estimate"] = fsdp_memory_per_process(whole.target, whole.model, dist.get_world_size())
+    summary["A"] = losses(whole)
+    summary["eval_loss"] = whole.evaluate()["eval_loss"]
+    whole.save_model(str(out / "final"))
+    gathered = whole.accelerator.get_state_dict(whole.model)  # a collective: every process
+    if dist.get_rank() == 0:
+        reference = tiny.make_tiny_target()  # the same (seeded) weights, unsharded, in one process
+        draft = Eagle3DraftModel.from_pretrained(str(out / "final"), target=reference).eval()
+        summary["reload_equal"] = all(torch.equal(v, gathered[k]) for k, v in draft.state_dict().items())
+        ids = torch.tensor([[5, 9, 13, 17, 21]])
+        plain = reference.generate(ids, max_new_tokens=12, do_sample=False)
+        eagle = reference.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False)
+        summary["lossless"] = torch.equal(plain, eagle)
+    killed = trainer(out / "B", [StopAt(4)], **SHARDED)
+    killed.train()
+    summary["B_step"] = killed.state.global_step
+    summary["B_files"] = sorted(os.listdir(out / "B" / "checkpoint-4"))
+    resumed = trainer(out / "B", **SHARDED)
+    resumed.train(resume_from_checkpoint=True)
+    summary["C"] = losses(resumed)
+    again = trainer(out / "D")
+    again.train(resume_from_checkpoint=str(out / "A" / "checkpoint-4"))
+    summary["D"] = losses(again)
+    summary["D_files"] = sorted(os.listdir(out / "A" / "checkpoint-4"))
+    return summary
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    mode, out = sys.argv[1], pathlib.Path(sys.argv[2])
+    if mode == "train":
+        summary = run_training(out)
+    else:
+        summary = {"codes": [cli_main(json.loads(argv)) for argv in sys.argv[3:]]}
+    if dist.get_rank() == 0:
+        print(json.dumps(summary))
+    # Tear the group down before exit: gloo threads aborting at interpreter exit would fail a finished run.
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
