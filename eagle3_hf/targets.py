@@ -170,6 +170,8 @@ def load_target(
     this model records which target it belongs to in a form other tools can load. `dtype="auto"` keeps the
     checkpoint's own precision.
     """
+    if shard and not torch.distributed.is_initialized():
+        raise ValueError("load_target(shard=True) needs an initialised torch.distributed group (torchrun).")
     directory, gguf_file = resolve_target(name_or_path)
     kwargs: dict = {"dtype": dtype}
     if gguf_file is not None:
@@ -179,8 +181,6 @@ def load_target(
     if device_map is not None:
         kwargs["device_map"] = device_map
     if shard:
-        if not torch.distributed.is_initialized():
-            raise ValueError("load_target(shard=True) needs an initialised torch.distributed group (torchrun).")
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(fsdp_size=torch.distributed.get_world_size())

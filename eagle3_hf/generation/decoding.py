@@ -44,7 +44,7 @@ from eagle3_hf.generation.steps import (
     verify,
 )
 from eagle3_hf.modeling._compat import generate_output_cache_field
-from eagle3_hf.modeling.checkpoints import embeddings_match
+from eagle3_hf.modeling.checkpoints import embeddings_match, whole_tensor
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
 
 
@@ -98,7 +98,7 @@ def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
             )
         draft.load_target_embedding(target)
     else:
-        theirs = target.get_input_embeddings().weight
+        theirs = whole_tensor(target.get_input_embeddings().weight)  # gathered when FSDP2 shards the target
         if tuple(theirs.shape) == tuple(draft.embed_tokens.weight.shape) and not embeddings_match(
             draft.embed_tokens.weight, theirs
         ):
