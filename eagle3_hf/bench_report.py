@@ -209,7 +209,8 @@ def format_markdown(report: dict[str, Any]) -> str:
     if flips:
         lines.append(
             f"Each differing output left plain decoding where the fp32 target's top two tokens nearly tie: fp32 "
-            f"top-2 margins of {min(flips):.2f}-{max(flips):.2f} ulp of the decoded precision "
+            f"top-2 margin{'s of ' + format(min(flips), '.2f') + '-' if len(flips) > 1 else ' of '}{max(flips):.2f} ulp "
+            f"of the decoded precision "
             f"({len(flips)} divergence{'s' * (len(flips) != 1)}; above {NEAR_TIE_ULPS:g} ulp would be a bug)."
         )
     return "\n".join(lines)

@@ -143,7 +143,8 @@ def draft_tree(run: DecodeRun, root: int) -> DraftPlan:
         t_tree = time.perf_counter()
         calls_before = state.forward_calls
         # the draft's best next tokens: the depth-1 candidates a tree would start from
-        top = torch.softmax(state.last_logits.float() / run.temperature, dim=-1).topk(budget.top_k).values
+        probs = torch.softmax(state.last_logits.float() / run.temperature, dim=-1)
+        top = probs.topk(min(budget.top_k, probs.numel())).values
         if not run.adaptive_tree or cost.worth_drafting(top):
             budget.grow = cost.worth_deeper if run.adaptive_tree else None
             if run.do_sample:
