@@ -21,8 +21,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "vocab": ("eagle3_hf.commands.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
     "features": ("eagle3_hf.commands.features", "precompute target features (offline training) to safetensors shards"),
     "train": ("eagle3_hf.commands.train", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
+    "evaluate": ("eagle3_hf.commands.evaluate", "full-vocabulary TTT accuracy of drafts on held-out conversations"),
     "generate": ("eagle3_hf.commands.generate", "generate with a target and its EAGLE-3 draft"),
-    "bench": ("eagle3_hf.benchmark", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
+    "bench": ("eagle3_hf.benchmark", "benchmark EAGLE-3 against the fastest plain decoding (fp32 and bf16)"),
     "convert": ("eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"),
 }
 

@@ -10,6 +10,21 @@ from typing import Any
 _TEMPLATE_CANDIDATES = (os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_cards", "TEMPLATE.md"),)
 
 
+EVALUATION_NAME = "evaluation.json"  # in a draft folder: {set label: evaluate_draft metrics}
+
+
+def format_evaluation_table(results: dict[str, dict[str, Any]], first_column: str = "evaluation set") -> str:
+    """A markdown table of `evaluate_draft` metrics, one row per entry (a draft, or an evaluation set)."""
+    steps = sorted({int(k[4:]) for m in results.values() for k in m if k.startswith("acc_") and k[4:].isdigit()})
+    lines = [f"| {first_column} | " + " | ".join(f"acc_{j}" for j in steps)
+             + " | coverage | simulated acceptance length | tokens |", "|---|" + "---|" * (len(steps) + 3)]  # fmt: skip
+    for name, m in results.items():
+        accs = " | ".join("n/a" if f"acc_{j}" not in m else f"{m[f'acc_{j}']:.3f}" for j in steps)
+        tail = f"{m['coverage']:.3f} | {m['sim_accept_len']:.2f} | {m['supervised_tokens']}"
+        lines.append(f"| {name} | {accs} | {tail} |")
+    return "\n".join(lines)
+
+
 def format_rates(rates: list[float | None], sep: str) -> str:
     """Acceptance rates as text, two decimals each, "n/a" where there is none (a depth never reached)."""
     return sep.join("n/a" if a is None else f"{a:.2f}" for a in rates)
@@ -44,6 +59,10 @@ def card_fields(draft_dir: str, report: dict[str, Any] | None = None, **extra: A
     if os.path.isfile(info_path):
         with open(info_path) as f:
             fields.update(json.load(f))
+    evaluation_path = os.path.join(draft_dir, EVALUATION_NAME)  # written by `eagle3-hf evaluate --record LABEL`
+    if os.path.isfile(evaluation_path):
+        with open(evaluation_path) as f:
+            fields["evaluation"] = format_evaluation_table(json.load(f))
     if report:
         env = report.get("environment", {})
         cfg = report.get("config", {})

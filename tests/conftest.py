@@ -44,6 +44,23 @@ def _train_tiny_example():
 
 
 @pytest.fixture(scope="module")
+def tiny_setup():
+    """The tiny target, a draft whose 40-id vocabulary is counted on the rows, and 5 synthetic rows of 12, 10, 8, 6
+    and 4 tokens (so that collated batches carry padding)."""
+    from eagle3_hf import Eagle3DraftModel
+    from eagle3_hf.training.trainer import install_draft_vocab
+
+    tiny = _train_tiny_example()
+    target = tiny.make_tiny_target()
+    rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
+    rows = rows.map(lambda r, i: {k: r[k][: 12 - 2 * i] for k in ("input_ids", "loss_mask", "attention_mask")},
+                    with_indices=True)  # fmt: skip
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40)
+    install_draft_vocab(draft, rows)
+    return target, draft, rows
+
+
+@pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):
     """A tiny random Llama with a chat-template tokenizer saved as a plain folder, and a ShareGPT JSONL for it."""
     tiny = _train_tiny_example()

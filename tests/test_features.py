@@ -1,9 +1,7 @@
 """Online and offline target features: identical batches and losses, shards, resumption, disk checks, CLI."""
 
-import importlib.util
 import json
 import os
-import pathlib
 import shutil
 from collections import namedtuple
 
@@ -14,39 +12,26 @@ from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.training import features as features_module
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-from eagle3_hf.training.features import estimate_feature_bytes, online_features, precompute_features
-from eagle3_hf.training.trainer import Eagle3DataCollator, install_draft_vocab
+from eagle3_hf.training.features import FEATURES_FORMAT, estimate_feature_bytes, online_features, precompute_features
+from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
+from eagle3_hf.training.vocab import build_draft_vocab
 
 torch.set_num_threads(1)
 
-_spec = importlib.util.spec_from_file_location(
-    "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
-
 
 @pytest.fixture(scope="module")
-def setup():
-    target = tiny.make_tiny_target()
-    rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
-    # rows of different lengths, so that the collated batches carry padding
-    rows = rows.map(lambda r, i: {k: r[k][: 12 - 2 * i] for k in ("input_ids", "loss_mask", "attention_mask")},
-                    with_indices=True)  # fmt: skip
-    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40)
-    install_draft_vocab(draft, rows)
-    return target, draft, rows
+def setup(tiny_setup):
+    return tiny_setup
 
 
 def test_online_and_offline_batches_and_losses_are_identical(setup, tmp_path):
     target, draft, rows = setup
-    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, dtype=torch.float32, shard_size=2, batch_size=2)
+    paths = precompute_features(target, rows, tmp_path, top_k=8, dtype=torch.float32, shard_size=2, batch_size=2)
     assert [os.path.basename(p) for p in paths] == ["shard_00000.safetensors", "shard_00001.safetensors",
                                                     "shard_00002.safetensors"]  # fmt: skip
     data = OfflineFeatureDataset(tmp_path)
-    assert len(data) == 5 and data.layer_ids == [2, 4, 5]
-    assert torch.equal(data.t2d, draft.t2d)
+    assert len(data) == 5 and data.layer_ids == [2, 4, 5] and data.top_k == 8
     collate = Eagle3DataCollator()
     offline = collate([data[i] for i in range(5)])
     online = collate(list(rows))
@@ -54,39 +39,49 @@ def test_online_and_offline_batches_and_losses_are_identical(setup, tmp_path):
     assert torch.equal(offline["loss_mask"], online["loss_mask"])
     assert torch.equal(offline["attention_mask"], online["attention_mask"])
     assert offline["attention_mask"].sum(1).tolist() == [12, 10, 8, 6, 4]
-    features, logits = online_features(target, draft, online["input_ids"], online["attention_mask"])
-    assert features.shape == (5, 12, 96) and logits.shape == (5, 12, 40)
+    features, top_logits, top_ids = online_features(target, draft, online["input_ids"], online["attention_mask"], 8)
+    assert features.shape == (5, 12, 96) and top_logits.shape == top_ids.shape == (5, 12, 8)
     torch.testing.assert_close(offline["target_hidden_states"], features, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(offline["target_logits"], logits, atol=1e-5, rtol=1e-5)
-    losses = []
-    for h, lg in ((features, logits), (offline["target_hidden_states"], offline["target_logits"])):
+    torch.testing.assert_close(offline["target_top_logits"], top_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(offline["target_top_ids"], top_ids.long())
+    # Column 0 is the target's top token over its full vocabulary.
+    with torch.no_grad():
+        full = target(online["input_ids"], attention_mask=online["attention_mask"]).logits
+    real = online["attention_mask"].bool()
+    assert torch.equal(top_ids[..., 0][real].long(), full.argmax(-1)[real])
+    outs = []
+    for h, lg, ids in ((features, top_logits, top_ids),
+                       (offline["target_hidden_states"], offline["target_top_logits"], offline["target_top_ids"])):
         step_logits = ttt_forward(draft, online["input_ids"], h, online["attention_mask"], ttt_length=3)
-        losses.append(ttt_loss(step_logits, lg, online["loss_mask"], draft.t2d).loss)
-    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+        outs.append(ttt_loss(step_logits, lg, online["loss_mask"], draft.t2d, target_ids=ids))
+    torch.testing.assert_close(outs[0].loss, outs[1].loss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0].step_correct, outs[1].step_correct)
+    assert torch.equal(outs[0].step_in_vocab, outs[1].step_in_vocab)
 
 
 def test_bf16_storage_and_the_printed_estimate(setup, tmp_path, capsys):
     target, draft, rows = setup
-    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, dtype=torch.bfloat16, shard_size=8)
+    paths = precompute_features(target, rows, tmp_path, top_k=16, dtype=torch.bfloat16, shard_size=8)
     printed = capsys.readouterr().out
-    assert "5 samples, 40 tokens" in printed and "bfloat16" in printed
+    assert "5 samples, 40 tokens" in printed and "bfloat16" in printed and "top 16 logits" in printed
     row = OfflineFeatureDataset(tmp_path)[1]
     assert row["target_hidden_states"].dtype == torch.bfloat16 and row["target_hidden_states"].shape == (10, 96)
-    assert row["target_logits"].shape == (10, 40)
+    assert row["target_top_logits"].dtype == torch.bfloat16 and row["target_top_logits"].shape == (10, 16)
+    assert row["target_top_ids"].dtype == torch.int32 and row["target_top_ids"].shape == (10, 16)
     actual = sum(os.path.getsize(p) for p in paths)
-    estimate = estimate_feature_bytes(40, 32, 40, torch.bfloat16, 5)
+    estimate = estimate_feature_bytes(40, 32, 16, torch.bfloat16, 5)
     assert actual <= estimate < actual + 8192
 
 
 def test_resume_recomputes_only_missing_shards(setup, tmp_path):
     target, draft, rows = setup
-    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, shard_size=2)
+    paths = precompute_features(target, rows, tmp_path, shard_size=2)
     before = {p: os.path.getmtime(p) for p in paths}
     os.remove(paths[1])
     calls = []
     handle = target.register_forward_hook(lambda m, a, o: calls.append(1))
     try:
-        again = precompute_features(target, rows, tmp_path, t2d=draft.t2d, shard_size=2)
+        again = precompute_features(target, rows, tmp_path, shard_size=2)
     finally:
         handle.remove()
     assert again == paths and len(calls) == 2  # the two samples of the missing shard, nothing else
@@ -96,11 +91,11 @@ def test_resume_recomputes_only_missing_shards(setup, tmp_path):
 
 def test_a_folder_of_another_run_is_refused_and_kept(setup, tmp_path):
     target, draft, rows = setup
-    paths = precompute_features(target, rows, tmp_path, t2d=draft.t2d, shard_size=2)
-    with pytest.raises(ValueError, match="another run.*draft_vocab_size"):
-        precompute_features(target, rows, tmp_path, t2d=None, shard_size=2)
+    paths = precompute_features(target, rows, tmp_path, shard_size=2)
+    with pytest.raises(ValueError, match="another run.*logits_top_k"):
+        precompute_features(target, rows, tmp_path, top_k=3, shard_size=2)
     with pytest.raises(ValueError, match="fingerprint"):
-        precompute_features(target, rows.select(range(4)), tmp_path, t2d=draft.t2d, shard_size=2)
+        precompute_features(target, rows.select(range(4)), tmp_path, shard_size=2)
     assert all(os.path.isfile(p) for p in paths)
     os.remove(paths[2])
     with pytest.raises(ValueError, match="incomplete: 1 of 3 shards"):
@@ -109,9 +104,9 @@ def test_a_folder_of_another_run_is_refused_and_kept(setup, tmp_path):
 
 def test_several_folders_read_as_one_data_set_in_order(setup, tmp_path):
     target, draft, rows = setup
-    precompute_features(target, rows.select(range(3)), tmp_path / "a", t2d=draft.t2d, shard_size=2)
-    precompute_features(target, rows.select(range(3, 5)), tmp_path / "b", t2d=draft.t2d, shard_size=1)
-    precompute_features(target, rows, tmp_path / "all", t2d=draft.t2d, shard_size=2)
+    precompute_features(target, rows.select(range(3)), tmp_path / "a", shard_size=2)
+    precompute_features(target, rows.select(range(3, 5)), tmp_path / "b", shard_size=1)
+    precompute_features(target, rows, tmp_path / "all", shard_size=2)
     joined, alone = OfflineFeatureDataset([tmp_path / "a", tmp_path / "b"]), OfflineFeatureDataset(tmp_path / "all")
     assert len(joined) == len(alone) == 5 and joined.folders == [str(tmp_path / "a"), str(tmp_path / "b")]
     for i in (0, 2, 3, 4, -1):  # both sides of the seam, and a negative index
@@ -119,13 +114,11 @@ def test_several_folders_read_as_one_data_set_in_order(setup, tmp_path):
             torch.testing.assert_close(joined[i][key], value, atol=1e-6, rtol=1e-6)
     with pytest.raises(IndexError, match="index 5 is out of range for 5"):
         joined[5]
-    # Another draft vocabulary (or other taps) cannot be joined: the rows would mean different things.
-    other = draft.t2d.clone()
-    other[int(other.nonzero()[-1])], other[int((~other).nonzero()[0])] = False, True
-    precompute_features(target, rows.select(range(2)), tmp_path / "c", t2d=other, shard_size=2)
-    with pytest.raises(ValueError, match="cannot be joined.*different draft vocabularies"):
+    # Other taps, or another number of kept logits, cannot be joined: the rows would mean different things.
+    precompute_features(target, rows.select(range(2)), tmp_path / "c", top_k=5, shard_size=2)
+    with pytest.raises(ValueError, match="cannot be joined.*logits_top_k 64 vs 5"):
         OfflineFeatureDataset([tmp_path / "a", tmp_path / "c"])
-    precompute_features(target, rows.select(range(2)), tmp_path / "d", t2d=draft.t2d, layer_ids=[1, 2, 3])
+    precompute_features(target, rows.select(range(2)), tmp_path / "d", layer_ids=[1, 2, 3])
     with pytest.raises(ValueError, match=r"cannot be joined to those in .*: layer_ids \[2, 4, 5\] vs \[1, 2, 3\]"):
         OfflineFeatureDataset([tmp_path / "a", tmp_path / "d"])
     with pytest.raises(ValueError, match="at least one features folder"):
@@ -138,14 +131,14 @@ def test_too_little_disk_fails_before_writing(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(features_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
     out = tmp_path / "features"
     with pytest.raises(ValueError, match=r"Not enough disk.*only 1000.0 B are free"):
-        precompute_features(target, rows, out, t2d=draft.t2d)
+        precompute_features(target, rows, out)
     assert not out.exists()
 
 
 def test_bad_arguments_raise(setup, tmp_path):
     target, draft, rows = setup
-    with pytest.raises(ValueError, match="t2d must have shape"):
-        precompute_features(target, rows, tmp_path, t2d=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="top_k"):
+        precompute_features(target, rows, tmp_path, top_k=0)
     with pytest.raises(ValueError, match="layer_ids"):
         precompute_features(target, rows, tmp_path, layer_ids=[1, 2, 9])
     with pytest.raises(ValueError, match="shard_size"):
@@ -161,12 +154,14 @@ def test_bad_arguments_raise(setup, tmp_path):
 
 
 
-@pytest.mark.parametrize("command", ["vocab", "features"])
-def test_help(command, capsys):
+def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli_main([command, "--help"])
+        cli_main(["vocab", "--help"])
     assert exit_info.value.code == 0
     assert "--draft-vocab-size" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["features", "--help"])
+    assert "--logits-top-k" in capsys.readouterr().out
 
 
 def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
@@ -174,15 +169,21 @@ def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
     vocab_file = tmp_path / "vocab.safetensors"
     assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
                      "--draft-vocab-size", "64"]) == 0  # fmt: skip
-    assert "covers 100.00% of supervised tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "covers 100.00% of the training conversations' supervised tokens" in printed
+    assert "Coverage of the target's supervised tokens by draft vocabulary size" in printed
     out = tmp_path / "features"
     assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
-                     "--vocab", str(vocab_file), "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
-    data_set = OfflineFeatureDataset(out)
-    assert len(data_set) == 12 and data_set.manifest["draft_vocab_size"] == 64
+                     "--logits-top-k", "16", "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
+    data_set = OfflineFeatureDataset(out)  # sum-3 is held out (id hash below 2%): 11 of the 12 conversations
+    assert len(data_set) == 11 and data_set.manifest["logits_top_k"] == 16
+    held_out = tmp_path / "held_out"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(held_out),
+                     "--split", "held-out"]) == 0  # fmt: skip
+    assert len(OfflineFeatureDataset(held_out)) == 1
     # A second run finds every shard done; data without assistant turns is refused cleanly.
     assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
-                     "--vocab", str(vocab_file), "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
+                     "--logits-top-k", "16", "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
     assert "0 of 3 shards" in capsys.readouterr().out
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
@@ -190,3 +191,28 @@ def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
                      "--draft-vocab-size", "64"]) == 2  # fmt: skip
     assert "has an assistant turn" in capsys.readouterr().err
     shutil.rmtree(out)
+
+
+def test_token_rows_and_older_folders(setup, tmp_path):
+    target, draft, rows = setup
+    precompute_features(target, rows, tmp_path, shard_size=2)
+    data = OfflineFeatureDataset(tmp_path)
+    assert list(data.token_rows()) == [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in rows]
+    # Features of the first format kept draft-vocabulary logits only: refused with what to do.
+    manifest = json.loads((tmp_path / "features.json").read_text())
+    assert manifest["format"] == FEATURES_FORMAT
+    (tmp_path / "features.json").write_text(json.dumps({**manifest, "format": "eagle3_hf.features/1"}))
+    with pytest.raises(ValueError, match="older version.*Re-run `eagle3-hf features`"):
+        OfflineFeatureDataset(tmp_path)
+
+
+def test_offline_training_counts_a_placeholder_vocabulary_on_the_features_tokens(setup, tmp_path):
+    target, _, rows = setup
+    precompute_features(target, rows, tmp_path / "features", shard_size=2)
+    data = OfflineFeatureDataset(tmp_path / "features")
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40)
+    assert not draft.d2t.any()  # placeholder: ids 0..39
+    args = Eagle3TrainingArguments(str(tmp_path / "out"), feature_mode="offline", report_to="none", use_cpu=True)
+    Eagle3Trainer(draft, args, train_dataset=data)
+    expected = build_draft_vocab(rows, target.config.vocab_size, 40)
+    assert torch.equal(draft.t2d, expected.t2d) and torch.equal(draft.d2t, expected.d2t)

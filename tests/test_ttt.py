@@ -7,10 +7,11 @@ from transformers.cache_utils import DynamicCache
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.training.ttt import (
-    restrict_to_draft_vocab,
+    draft_vocab_targets,
     shift_left,
     simulated_acceptance_length,
     step_alignment,
+    target_top_k,
     ttt_forward,
     ttt_loss,
 )
@@ -139,15 +140,88 @@ def test_loss_is_the_decayed_mean_soft_cross_entropy():
     torch.testing.assert_close(out.loss, torch.as_tensor(expected_total))
 
 
-def test_full_vocabulary_target_logits_are_restricted_through_t2d():
-    t2d = torch.tensor([False, True, True, False, True])
-    full = torch.arange(10.0).reshape(1, 2, 5)
-    assert restrict_to_draft_vocab(full, t2d).tolist() == [[[1.0, 2.0, 4.0], [6.0, 7.0, 9.0]]]
-    assert restrict_to_draft_vocab(full[..., :3], t2d) is not None  # already Vd wide: unchanged
-    with pytest.raises(ValueError, match="4 columns"):
-        restrict_to_draft_vocab(full[..., :4], t2d)
+# A target vocabulary of 6 ids of which the draft holds 4: draft ids 0..3 are target ids 0, 1, 3, 5.
+T2D = torch.tensor([True, True, False, True, False, True])
+
+
+def one_step_case():
+    """S = 4, one TTT step: draft positions t = 0, 1 predict from target rows 1, 2 (loss mask at 2, 3)."""
+    target = torch.zeros(1, 4, 6)
+    # Row 1: the target's top token is id 4, outside the draft vocabulary; the best in-vocabulary one is id 3.
+    target[0, 1] = torch.tensor([0.0, 1.0, 0.5, 4.0, 5.0, 0.0])
+    # Row 2: the target's top token is id 1, inside.
+    target[0, 2] = torch.tensor([0.0, 6.0, 0.0, 2.0, 0.0, 1.0])
+    draft = torch.zeros(1, 4, 4)
+    draft[0, 0, 2] = 9.0  # draft id 2 = target id 3: the best in-vocabulary token, but not the target's top token
+    draft[0, 1, 1] = 9.0  # draft id 1 = target id 1: right
+    return [draft], target, torch.tensor([[0, 0, 1, 1]])
+
+
+def test_accuracy_is_against_the_full_vocabulary_top_token():
+    step_logits, target, mask = one_step_case()
+    out = ttt_loss(step_logits, target, mask, T2D)
+    # Against the best in-vocabulary token both positions would be right; against the target's own top token the
+    # first is a miss, and it stays in the denominator.
+    assert out.step_supervised.tolist() == [2] and out.step_in_vocab.tolist() == [1]
+    assert out.step_correct.tolist() == [1]
+    assert out.step_accuracy.tolist() == [0.5] and out.step_coverage.tolist() == [0.5]
+    # The same from the top-k form offline features store, for any k that keeps the top token.
+    for k in (1, 3, 6):
+        top_logits, top_ids = target_top_k(target, k)
+        topk = ttt_loss(step_logits, top_logits, mask, T2D, target_ids=top_ids)
+        assert topk.step_correct.tolist() == [1] and topk.step_in_vocab.tolist() == [1]
+
+
+def test_out_of_vocabulary_positions_carry_no_loss():
+    step_logits, target, mask = one_step_case()
+    draft = step_logits[0].clone().requires_grad_(True)
+    out = ttt_loss([draft], target, mask, T2D)
+    out.loss.backward()
+    assert draft.grad[0, 0].abs().sum() == 0 and draft.grad[0, 1].abs().sum() > 0
+    # Changing only the out-of-vocabulary position's logits (draft and target, top token still outside) changes
+    # nothing; changing the in-vocabulary one's does.
+    moved_draft, moved_target = step_logits[0].clone(), target.clone()
+    moved_draft[0, 0] = torch.tensor([3.0, -2.0, 0.5, 7.0])
+    moved_target[0, 1] = torch.tensor([2.0, 0.0, 3.0, 1.0, 8.0, 4.0])
+    moved = ttt_loss([moved_draft], moved_target, mask, T2D)
+    assert torch.equal(moved.loss, out.loss.detach())
+    moved_target[0, 2, 5] = 3.0
+    assert not torch.equal(ttt_loss([moved_draft], moved_target, mask, T2D).loss, out.loss.detach())
+    # The in-vocabulary position is trained on the target restricted to the draft ids (1, 3, 5 of row 2).
+    p = torch.softmax(torch.tensor([0.0, 6.0, 2.0, 1.0]), -1)
+    expected = -(p * torch.log_softmax(step_logits[0][0, 1], -1)).sum()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_top_k_soft_targets_restrict_to_the_draft_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 6)
+    logits[0, 4] = 10.0  # top token outside the draft vocabulary
+    values, ids = target_top_k(logits, 3)
+    assert ids.dtype == torch.int32 and torch.equal(ids[:, 0].long(), logits.argmax(-1))
+    assert torch.equal(values, logits.sort(-1, descending=True).values[:, :3])
+    top, in_vocab, p = draft_vocab_targets(values, ids, T2D)
+    assert torch.equal(top, logits.argmax(-1)) and torch.equal(in_vocab, T2D[top])
+    for row, probs in zip(in_vocab.nonzero()[:, 0].tolist(), p):
+        kept = torch.full((6,), float("-inf"))
+        kept[ids[row].long()] = logits[row, ids[row].long()]
+        torch.testing.assert_close(probs, torch.softmax(kept[T2D], -1))  # ids outside the top 3 get nothing
+    # With k = V the top-k form is the full distribution restricted to the draft vocabulary.
+    full_top, full_in, full_p = draft_vocab_targets(logits, None, T2D)
+    _, _, all_p = draft_vocab_targets(*target_top_k(logits, 6), T2D)
+    assert torch.equal(full_top, top) and torch.equal(full_in, in_vocab)
+    torch.testing.assert_close(all_p, full_p)
+    with pytest.raises(ValueError, match="positive integer"):
+        target_top_k(logits, 0)
+
+
+def test_mismatched_target_arguments_raise():
     with pytest.raises(ValueError, match="pass t2d"):
-        ttt_loss([torch.zeros(1, 2, 3)], full, torch.ones(1, 2))
+        ttt_loss([torch.zeros(1, 2, 3)], torch.zeros(1, 2, 5), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="target_ids"):
+        ttt_loss([torch.zeros(1, 2, 4)], torch.zeros(1, 2, 3), torch.ones(1, 2), T2D)
+    with pytest.raises(ValueError, match="t2d marks 4 ids but the draft predicts 3"):
+        ttt_loss([torch.zeros(1, 2, 3)], torch.zeros(1, 2, 6), torch.ones(1, 2), T2D)
 
 
 def test_simulated_acceptance_length():

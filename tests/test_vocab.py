@@ -8,12 +8,16 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from eagle3_hf.training.data import build_dataset, read_conversations
+from eagle3_hf.training.split import held_out_score, is_held_out, split_held_out
 from eagle3_hf.training.vocab import (
     build_draft_vocab,
+    choose_draft_vocab_size,
     count_supervised_tokens,
+    coverage_by_size,
     draft_to_target_ids,
     load_draft_vocab,
     save_draft_vocab,
+    select_draft_vocab,
     validate_vocab_mapping,
 )
 
@@ -199,3 +203,49 @@ def test_vocab_from_real_sharegpt_conversations(tokenizer_dir):
     supervised = torch.tensor([token for ids, mask in rows for token, keep in zip(ids, mask) if keep])
     assert vocab.coverage == pytest.approx(vocab.t2d[supervised].float().mean().item())
     assert 0.5 < vocab.coverage < 1.0
+
+
+def test_coverage_is_measured_on_held_out_counts_with_the_training_order():
+    train = torch.tensor(TOY_COUNTS)  # order by count: 6, 1, 3, 2, 5, then unseen ids
+    held_out = torch.tensor([0, 1, 4, 0, 2, 0, 3, 0])  # 10 tokens
+    coverages = coverage_by_size(train, held_out, sizes=[1, 2, 3, 4, 9])
+    # size 1 holds {6}: 3/10; 2 adds 1: 4/10; 3 adds 3: 4/10; 4 adds 2: 8/10; 9 exceeds the vocabulary.
+    assert coverages == pytest.approx({1: 0.3, 2: 0.4, 3: 0.4, 4: 0.8})
+    assert choose_draft_vocab_size(coverages, 0.35) == 2
+    assert choose_draft_vocab_size(coverages, 0.8) == 4
+    assert choose_draft_vocab_size(coverages, 0.95) == 4  # none reaches it: the largest
+    with pytest.raises(ValueError, match="min_coverage"):
+        choose_draft_vocab_size(coverages, 0.0)
+
+
+def test_select_draft_vocab_builds_from_training_rows_and_measures_held_out_ones():
+    rows = [{"id": f"conv-{i}", "input_ids": [i % 7, 7 + i % 3], "loss_mask": [1, 1]} for i in range(200)]
+    train, held_out = split_held_out(rows, 0.1)
+    assert held_out and len(train) + len(held_out) == 200
+    choice = select_draft_vocab(rows, 16, "auto", min_coverage=0.95, held_out_fraction=0.1, sizes=[4, 8, 10, 12])
+    # Ids 0..9 are all used; 10 of them cover every held-out token, 8 do not.
+    assert choice.coverages[8] < 0.95 <= choice.coverages[10] == 1.0
+    assert choice.vocab.draft_vocab_size == 10 and choice.num_held_out == len(held_out)
+    expected = build_draft_vocab(count_supervised_tokens(train, 16), 16, 10)
+    assert torch.equal(choice.vocab.t2d, expected.t2d)
+    assert "10 ids: 100.00%  <- chosen" in choice.table()
+    fixed = select_draft_vocab(rows, 16, 12, held_out_fraction=0.1, sizes=[4, 8])
+    assert fixed.vocab.draft_vocab_size == 12 and set(fixed.coverages) == {4, 8}
+    with pytest.raises(ValueError, match="integer or 'auto'"):
+        select_draft_vocab(rows, 16, "big")
+
+
+def test_held_out_split_is_stable_as_data_is_added():
+    ids = [f"sharegpt-{i}" for i in range(500)]
+    before = {i for i in ids if is_held_out(i)}
+    more = ids + [f"alpaca-{i}" for i in range(300)]
+    shuffled = [more[i] for i in torch.randperm(len(more), generator=torch.Generator().manual_seed(0)).tolist()]
+    _, held = split_held_out([{"id": i} for i in shuffled])
+    after = {row["id"] for row in held}
+    assert after & set(ids) == before and 0 < len(before) < 40  # about 2% of 500
+    assert held_out_score("sharegpt-3") == held_out_score("sharegpt-3") and 0 <= held_out_score("x") < 1
+    data = Dataset.from_list([{"id": i, "n": k} for k, i in enumerate(shuffled)])
+    train_ds, held_ds = split_held_out(data)
+    assert set(held_ds["id"]) == after and len(train_ds) == len(shuffled) - len(after)
+    with pytest.raises(ValueError, match="in \\[0, 1\\)"):
+        is_held_out("a", 1.5)

@@ -8,8 +8,8 @@ import sys
 import torch
 
 from eagle3_hf.targets import load_target, load_tokenised_data
-from eagle3_hf.training.features import precompute_features
-from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab
+from eagle3_hf.training.features import DEFAULT_TOP_K, precompute_features
+from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, SPLITS, split_filter
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -19,10 +19,13 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, nargs="+",
                         help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
     parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
-    vocab = parser.add_mutually_exclusive_group()
-    vocab.add_argument("--draft-vocab-size", type=int, default=None, help="build a draft vocabulary of this size")
-    vocab.add_argument("--vocab", default=None, help="draft vocabulary: a file written by `eagle3-hf vocab`, or a "
-                       "saved draft folder (to continue that draft with `train --init-draft`)")
+    parser.add_argument("--logits-top-k", type=int, default=DEFAULT_TOP_K,
+                        help="target logits kept per token (the largest, over the full vocabulary, with their ids); "
+                        "they serve any draft vocabulary")  # fmt: skip
+    parser.add_argument("--split", choices=SPLITS, default="train",
+                        help="train: leave out the held-out conversations (by id hash); held-out: only those (for "
+                        "`train --eval-features`); all: every one")  # fmt: skip
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-conversations", type=int, default=None)
     parser.add_argument("--shard-size", type=int, default=256)
@@ -44,18 +47,11 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise ValueError(
                     f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
                 ) from None
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+        select = split_filter(args.split, args.held_out_fraction)
+        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
         target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
-        t2d = None
-        if args.vocab:
-            t2d = load_draft_vocab(args.vocab).t2d
-        elif args.draft_vocab_size:
-            vocab = build_draft_vocab(dataset, target.config.get_text_config().vocab_size, args.draft_vocab_size)
-            print(f"Draft vocabulary: {args.draft_vocab_size} ids covering {100 * vocab.coverage:.2f}% of "
-                  "supervised tokens.")  # fmt: skip
-            t2d = vocab.t2d
         shards = precompute_features(
-            target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, t2d=t2d,
+            target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,
             dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,
         )  # fmt: skip
     except ValueError as err:

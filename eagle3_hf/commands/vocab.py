@@ -1,4 +1,9 @@
-"""`eagle3-hf vocab`: build the draft vocabulary (d2t/t2d) from tokenised data (`eagle3_hf.training.vocab`)."""
+"""`eagle3-hf vocab`: build the draft vocabulary (d2t/t2d) from tokenised data (`eagle3_hf.training.vocab`).
+
+The vocabulary is counted on every training conversation; the held-out ones (chosen by id hash,
+`eagle3_hf.training.split`) measure how much of the target's output each candidate size covers, and ``auto`` picks
+the smallest size that covers ``--min-coverage`` of it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,34 @@ import sys
 from transformers import AutoConfig
 
 from eagle3_hf.targets import load_tokenised_data, resolve_target
-from eagle3_hf.training.vocab import build_draft_vocab, save_draft_vocab
+from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION
+from eagle3_hf.training.vocab import DEFAULT_MIN_COVERAGE, save_draft_vocab, select_draft_vocab
+
+
+def draft_vocab_size_arg(value: str) -> int | str:
+    """argparse type of ``--draft-vocab-size``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return size
+
+
+def add_vocab_size_arguments(parser: argparse.ArgumentParser, default: int | str | None) -> None:
+    """``--draft-vocab-size``, ``--min-coverage`` and ``--held-out-fraction``, shared with `eagle3-hf train`."""
+    parser.add_argument(
+        "--draft-vocab-size", type=draft_vocab_size_arg, default=default,
+        help="draft head size, or 'auto': the smallest of 4096/8192/16384/32768 whose held-out coverage of the "
+             "target's tokens reaches --min-coverage",
+    )  # fmt: skip
+    parser.add_argument("--min-coverage", type=float, default=DEFAULT_MIN_COVERAGE,
+                        help="held-out coverage --draft-vocab-size auto must reach")  # fmt: skip
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
+                        help="share of conversations (by id hash) held out to measure coverage")  # fmt: skip
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +48,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, nargs="+",
                         help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
     parser.add_argument("--output", required=True, help="safetensors file to write (d2t, t2d, counts)")
-    parser.add_argument("--draft-vocab-size", type=int, required=True)
+    add_vocab_size_arguments(parser, default="auto")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-conversations", type=int, default=None)
 
@@ -27,14 +59,20 @@ def run_cli(args: argparse.Namespace) -> int:
         # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
         directory, gguf_file = resolve_target(args.target)
         config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
-        vocab = build_draft_vocab(dataset, config.get_text_config().vocab_size, args.draft_vocab_size)
+        choice = select_draft_vocab(
+            dataset, config.get_text_config().vocab_size, args.draft_vocab_size, args.min_coverage,
+            args.held_out_fraction,
+        )  # fmt: skip
+        vocab = choice.vocab
         save_draft_vocab(args.output, vocab)
     except ValueError as err:
         print(f"eagle3-hf vocab: error: {err}", file=sys.stderr)
         return 2
+    print(choice.table())
     print(
         f"Draft vocabulary of {vocab.draft_vocab_size} ids written to {args.output}: it covers "
         f"{100 * vocab.coverage:.2f}% "
-        f"of supervised tokens ({vocab.num_seen} distinct ids seen, {vocab.num_padded} padded)."
+        f"of the training conversations' supervised tokens ({vocab.num_seen} distinct ids seen, "
+        f"{vocab.num_padded} padded)."
     )
     return 0

@@ -3,17 +3,18 @@
 A training batch carries, besides ``input_ids`` / ``attention_mask`` / ``loss_mask``:
 
 * ``target_hidden_states`` ``[B, S, 3*Ht]``: the target's low|mid|high taps at each position;
-* ``target_logits`` ``[B, S, Vd]``: the target logits at the draft-vocabulary ids (``logits[..., t2d]``).
+* ``target_top_logits`` ``[B, S, k]`` and ``target_top_ids`` ``[B, S, k]``: the target's k largest logits over its
+  FULL vocabulary and their ids (`eagle3_hf.training.ttt.target_top_k`; column 0 is its top token).
 
-Both are zero on padding, so online and offline batches are the same tensors. Offline shards store the logits
-restricted to the draft vocabulary (not the final hidden state): the loss needs nothing else, no target head has to
-be kept around at training time, and the disk cost per token is ``(3*Ht + Vd)`` values, bounded by the draft
-vocabulary. The draft vocabulary must therefore be chosen before precomputing; it is saved next to the shards.
+All are zero on padding, so online and offline batches are the same tensors. The top-k logits are all the loss needs:
+its soft label is their softmax restricted to the draft vocabulary's ids, and its accuracy compares with the
+full-vocabulary top token. They do not depend on a draft vocabulary, so one feature folder serves any draft
+vocabulary, and they are small: ``3*Ht + k`` values and ``k`` int32 ids per token (a draft-vocabulary logit row was
+8,192-32,768 values).
 
-Folder layout: ``features.json`` (manifest), ``draft_vocab.safetensors`` (``d2t``, ``t2d``) and
-``shard_00000.safetensors`` ... each holding the concatenated rows of ``shard_size`` samples (``input_ids``,
-``loss_mask``, ``features``, ``logits`` and row ``offsets``). A shard is written to a temporary name and renamed, so
-an interrupted run resumes at the first missing shard.
+Folder layout: ``features.json`` (manifest) and ``shard_00000.safetensors`` ... each holding the concatenated rows of
+``shard_size`` samples (``input_ids``, ``loss_mask``, ``features``, ``top_logits``, ``top_ids`` and row ``offsets``).
+A shard is written to a temporary name and renamed, so an interrupted run resumes at the first missing shard.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ from transformers import PreTrainedModel
 
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
-from eagle3_hf.training.ttt import restrict_to_draft_vocab
+from eagle3_hf.training.ttt import target_top_k
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "features.json"
-VOCAB_NAME = "draft_vocab.safetensors"
-FEATURES_FORMAT = "eagle3_hf.features/1"
+# Format 1 stored logits restricted to one draft vocabulary: its top token was the best in-vocabulary one, not the
+# target's, so accuracies read from it overstate acceptance. It is refused, not converted.
+FEATURES_FORMAT = "eagle3_hf.features/2"
+DEFAULT_TOP_K = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["estimate_feature_bytes", "online_features", "precompute_features"]
@@ -58,15 +61,16 @@ def _target_forward(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     taps: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
-    t2d: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one target pass of online training and offline features: ``(taps, top-k logits, top-k ids)``."""
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
     features = taps(out.hidden_states)  # [B, S, 3Ht]
-    logits = restrict_to_draft_vocab(out.logits, t2d)  # [B, S, Vd]
+    top_logits, top_ids = target_top_k(out.logits, top_k)  # [B, S, k] x2
     if attention_mask is not None:  # zero on padding: online batches then equal the zero-padded offline ones
         keep = attention_mask[..., None].bool()
-        features, logits = features * keep, logits * keep
-    return features, logits
+        features, top_logits, top_ids = features * keep, top_logits * keep, top_ids * keep
+    return features, top_logits, top_ids
 
 
 def online_features(
@@ -74,21 +78,23 @@ def online_features(
     draft: Eagle3DraftModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the frozen `target` without gradients: ``(target_hidden_states [B, S, 3Ht], target_logits [B, S, Vd])``.
+    top_k: int = DEFAULT_TOP_K,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the frozen `target` without gradients: ``(target_hidden_states [B, S, 3Ht], target_top_logits [B, S, k],
+    target_top_ids [B, S, k])``.
 
-    The taps are the draft's (`draft.target_features`, i.e. its config's layer ids) and the logits are restricted to
-    its draft vocabulary (`draft.t2d`); both are zero on padding. The target should be in eval mode; a PEFT-wrapped
-    target gives the adapted features.
+    The taps are the draft's (`draft.target_features`, i.e. its config's layer ids); the logits are the target's
+    `top_k` largest over its full vocabulary, exactly what offline features store; all are zero on padding. The
+    target should be in eval mode; a PEFT-wrapped target gives the adapted features.
 
     Example:
 
     ```python
-    >>> features, logits = online_features(target, draft, batch["input_ids"], batch["attention_mask"])  # doctest: +SKIP
+    >>> features, top_logits, top_ids = online_features(target, draft, batch["input_ids"])  # doctest: +SKIP
     ```
     """
     draft = _base_draft(draft)
-    return _target_forward(target, input_ids, attention_mask, draft.target_features, draft.t2d)
+    return _target_forward(target, input_ids, attention_mask, draft.target_features, top_k)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -129,11 +135,12 @@ class _TokenRows:
 
 
 def estimate_feature_bytes(
-    num_tokens: int, target_hidden_size: int, draft_vocab_size: int, dtype: torch.dtype, num_samples: int = 0
+    num_tokens: int, target_hidden_size: int, top_k: int, dtype: torch.dtype, num_samples: int = 0
 ) -> int:
-    """Bytes the shards of `num_tokens` tokens take: features and logits in `dtype`, int64 ids, uint8 mask."""
+    """Bytes the shards of `num_tokens` tokens take: taps and top-k logits in `dtype`, int32 top-k ids, int64 token
+    ids, uint8 mask."""
     element = torch.empty((), dtype=dtype).element_size()
-    per_token = (3 * target_hidden_size + draft_vocab_size) * element + 8 + 1
+    per_token = (3 * target_hidden_size + top_k) * element + 4 * top_k + 8 + 1
     return num_tokens * per_token + 8 * num_samples + 4096  # offsets and the safetensors headers
 
 
@@ -169,7 +176,7 @@ def precompute_features(
     output_dir: str | os.PathLike,
     layer_ids: list[int] | None = None,
     shard_size: int = 256,
-    t2d: torch.Tensor | None = None,
+    top_k: int = DEFAULT_TOP_K,
     dtype: torch.dtype = torch.bfloat16,
     batch_size: int = 1,
 ) -> list[str]:
@@ -179,8 +186,9 @@ def precompute_features(
         dataset: rows with ``input_ids`` and ``loss_mask`` (e.g. `eagle3_hf.training.data.build_dataset`'s output).
         layer_ids: taps as indices into ``output_hidden_states``; default ``[2, L//2, L-3]``.
         shard_size: samples per shard (the unit of resumption).
-        t2d: ``[V]`` bool draft vocabulary; the logits are stored at these ids only. `None` keeps every id.
-        dtype: storage dtype of features and logits (bfloat16 halves the disk; float32 reproduces online features).
+        top_k: target logits kept per position: the `top_k` largest over the full vocabulary, with their ids
+            (capped at the vocabulary size). Train with the same `logits_top_k` online for the same soft labels.
+        dtype: storage dtype of taps and logits (bfloat16 halves the disk; float32 reproduces online features).
         batch_size: rows per target forward (right-padded; each row is stored at its own length).
 
     The disk size is estimated and printed first; if the free space cannot hold what remains to be written a
@@ -192,12 +200,12 @@ def precompute_features(
     ```python
     >>> from eagle3_hf.training.features import precompute_features
     >>> from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-    >>> paths = precompute_features(target, dataset, "features/", t2d=draft.t2d)  # doctest: +SKIP
+    >>> paths = precompute_features(target, dataset, "features/", top_k=64)  # doctest: +SKIP
     >>> OfflineFeatureDataset("features/")[0]["target_hidden_states"].shape  # doctest: +SKIP
     torch.Size([412, 1728])
     ```
     """
-    for name, value in (("shard_size", shard_size), ("batch_size", batch_size)):
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size), ("top_k", top_k)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     if dtype not in _DTYPES.values():
@@ -208,16 +216,13 @@ def precompute_features(
     layer_ids = list(layer_ids) if layer_ids is not None else default_target_layer_ids(text.num_hidden_layers)
     if len(layer_ids) != 3 or not all(0 <= i <= text.num_hidden_layers for i in layer_ids):
         raise ValueError(f"layer_ids must be three indices in [0, {text.num_hidden_layers}], got {layer_ids}.")
-    t2d = torch.ones(vocab, dtype=torch.bool) if t2d is None else t2d.detach().cpu().bool()
-    if t2d.shape != (vocab,):
-        raise ValueError(f"t2d must have shape ({vocab},) (the target vocabulary), got {tuple(t2d.shape)}.")
+    top_k = min(top_k, vocab)
     rows = _TokenRows(dataset)
     digest, lengths = hashlib.sha256(), []  # one streaming pass: row lengths and a fingerprint of the data
     for index in range(len(rows)):
         ids, mask = rows[index]
         lengths.append(len(ids))
         digest.update(torch.tensor(ids + [-1] + mask, dtype=torch.int64).numpy().tobytes())
-    digest.update(t2d.numpy().tobytes())
     dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
     manifest = {
         "format": FEATURES_FORMAT,
@@ -228,7 +233,7 @@ def precompute_features(
         "layer_ids": layer_ids,
         "target_hidden_size": hidden,
         "vocab_size": vocab,
-        "draft_vocab_size": int(t2d.sum()),
+        "logits_top_k": top_k,
         "dtype": dtype_name,
         "target": getattr(target.config, "_name_or_path", None) or None,
         "fingerprint": digest.hexdigest(),
@@ -251,27 +256,25 @@ def precompute_features(
     pending = [k for k in range(len(spans)) if not os.path.isfile(shard_path(output_dir, k))]
     pending_tokens = sum(sum(lengths[slice(*spans[k])]) for k in pending)
     pending_samples = sum(spans[k][1] - spans[k][0] for k in pending)
-    total = estimate_feature_bytes(manifest["num_tokens"], hidden, manifest["draft_vocab_size"], dtype, len(rows))
-    needed = estimate_feature_bytes(pending_tokens, hidden, manifest["draft_vocab_size"], dtype, pending_samples)
+    total = estimate_feature_bytes(manifest["num_tokens"], hidden, top_k, dtype, len(rows))
+    needed = estimate_feature_bytes(pending_tokens, hidden, top_k, dtype, pending_samples)
     free = shutil.disk_usage(_existing_parent(output_dir)).free
     print(
         f"Offline features: {len(rows)} samples, {manifest['num_tokens']} tokens, about {_fmt_bytes(total)} in "
-        f"{dtype_name} ({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
+        f"{dtype_name}, {_fmt_bytes(total / max(manifest['num_tokens'], 1))} a token with the top {top_k} logits "
+        f"({len(pending)} of {len(spans)} shards, {_fmt_bytes(needed)}, still to write); "
         f"{_fmt_bytes(free)} free in {_existing_parent(output_dir)}."
     )
     if needed > free:
         raise ValueError(
             f"Not enough disk for the offline features: about {_fmt_bytes(needed)} are needed in {output_dir!r} but "
-            f"only {_fmt_bytes(free)} are free. Use a smaller --draft-vocab-size, bfloat16, fewer or shorter samples, "
+            f"only {_fmt_bytes(free)} are free. Use a smaller --logits-top-k, bfloat16, fewer or shorter samples, "
             "another folder, or online features (no disk)."
         )
     os.makedirs(output_dir, exist_ok=True)
     if not os.path.isfile(manifest_path):
-        save_file({"d2t": (torch.nonzero(t2d)[:, 0] - torch.arange(int(t2d.sum()))).contiguous(), "t2d": t2d},
-                  os.path.join(output_dir, VOCAB_NAME))  # fmt: skip
-        _write_json(manifest_path, manifest)  # last: a manifest means the folder is set up
+        _write_json(manifest_path, manifest)  # a manifest means the folder is set up
     device = next(target.parameters()).device
-    t2d_device = t2d.to(device)
 
     def taps(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return select_target_features(hidden_states, layer_ids)
@@ -282,7 +285,7 @@ def precompute_features(
     was_training = target.training
     target.eval()
     try:
-        _write_shards(target, rows, spans, pending, output_dir, taps, t2d_device, dtype, batch_size, device)
+        _write_shards(target, rows, spans, pending, output_dir, taps, top_k, dtype, batch_size, device)
     finally:
         target.train(was_training)
     return [shard_path(output_dir, k) for k in range(len(spans))]
@@ -295,7 +298,7 @@ def _write_shards(
     pending: list[int],
     output_dir: str,
     taps: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
-    t2d: torch.Tensor,
+    top_k: int,
     dtype: torch.dtype,
     batch_size: int,
     device: torch.device,
@@ -303,7 +306,7 @@ def _write_shards(
     pending_samples = sum(spans[k][1] - spans[k][0] for k in pending)
     with tqdm(total=pending_samples, unit="sample", desc="Precomputing target features") as progress:
         for k in pending:
-            ids_out, mask_out, feats_out, logits_out, lengths = [], [], [], [], []
+            ids_out, mask_out, feats_out, logits_out, top_ids_out, lengths = [], [], [], [], [], []
             for start in range(spans[k][0], spans[k][1], batch_size):
                 chunk = [rows[i] for i in range(start, min(start + batch_size, spans[k][1]))]
                 width = max(len(ids) for ids, _ in chunk)
@@ -312,22 +315,24 @@ def _write_shards(
                 for r, (ids, _) in enumerate(chunk):
                     input_ids[r, : len(ids)] = torch.tensor(ids)
                     attention[r, : len(ids)] = 1
-                features, logits = _target_forward(
-                    target, input_ids.to(device), attention.to(device) if len(chunk) > 1 else None, taps, t2d
+                features, top_logits, top_ids = _target_forward(
+                    target, input_ids.to(device), attention.to(device) if len(chunk) > 1 else None, taps, top_k
                 )
                 for r, (ids, mask) in enumerate(chunk):
                     n = len(ids)
                     ids_out.append(torch.tensor(ids, dtype=torch.int64))
                     mask_out.append(torch.tensor(mask, dtype=torch.uint8))
                     feats_out.append(features[r, :n].to("cpu", dtype))
-                    logits_out.append(logits[r, :n].to("cpu", dtype))
+                    logits_out.append(top_logits[r, :n].to("cpu", dtype))
+                    top_ids_out.append(top_ids[r, :n].to("cpu", torch.int32))
                     lengths.append(n)
                 progress.update(len(chunk))
             tensors = {
                 "input_ids": torch.cat(ids_out),
                 "loss_mask": torch.cat(mask_out),
                 "features": torch.cat(feats_out).contiguous(),
-                "logits": torch.cat(logits_out).contiguous(),
+                "top_logits": torch.cat(logits_out).contiguous(),
+                "top_ids": torch.cat(top_ids_out).contiguous(),
                 "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
             }
             temporary = os.path.join(output_dir, f".shard_{k:05d}.tmp")

@@ -6,6 +6,7 @@ tokenizer is passed in, so that loading it by target name stays with target load
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from datasets import Dataset
@@ -14,14 +15,26 @@ from eagle3_hf.training.data import DataStats, build_dataset, read_conversations
 
 
 def tokenise_data(
-    tokenizer: Any, data: str | list[str], max_length: int, max_conversations: int | None = None
+    tokenizer: Any,
+    data: str | list[str],
+    max_length: int,
+    max_conversations: int | None = None,
+    select: Callable[[dict], bool] | None = None,
 ) -> tuple[Dataset, DataStats]:
-    """Read conversations from one source or several (taken in the order given, then cut to `max_conversations`),
-    render them with `tokenizer`'s chat template; return (dataset, DataStats)."""
+    """Read conversations from one source or several (taken in the order given, keeping those `select` accepts,
+    then cut to `max_conversations`), render them with `tokenizer`'s chat template; return (dataset, DataStats)."""
     conversations: list[dict] = []
     for source in [data] if isinstance(data, str) else data:
         left = None if max_conversations is None else max_conversations - len(conversations)
-        conversations += read_conversations(source, limit=left)
+        if select is None:
+            conversations += read_conversations(source, limit=left)
+        else:
+            conversations += [c for c in read_conversations(source) if select(c)][:left]
+    if select is not None and not conversations:
+        raise ValueError(
+            f"No conversation in {data} belongs to the requested split (held-out conversations are chosen by a hash "
+            "of their id, about 2% of them): give more data, or another split."
+        )
     dataset, stats = build_dataset(conversations, tokenizer, max_length)
     print(
         f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} tokens, "

@@ -5,7 +5,9 @@ outside the optimizer, the accelerate wrapping and the checkpoints. Checkpoints 
 its native layout (`Eagle3DraftModel.from_pretrained` reloads it), or the adapter for a PEFT draft.
 
 Logged next to the loss (averaged over the logging interval, summed across processes): ``acc_0..acc_{K-1}`` (share
-of supervised positions where the draft's argmax equals the target's at TTT step j), ``loss_0..loss_{K-1}`` and
+of supervised positions where the draft's top token is the target's top token over its FULL vocabulary at TTT step
+j; positions the draft vocabulary cannot hold count as misses), ``coverage`` (share of supervised positions whose
+target top token the draft vocabulary holds, step 0), ``loss_0..loss_{K-1}`` and
 ``sim_accept_len = 1 + sum_j prod_{i<=j} acc_i``, the chain acceptance length those accuracies imply.
 """
 
@@ -24,14 +26,15 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-from eagle3_hf.training.features import _base_draft, online_features
+from eagle3_hf.training.features import DEFAULT_TOP_K, _base_draft, online_features
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
 
-FEATURE_KEYS = ("target_hidden_states", "target_logits")
+FEATURE_KEYS = ("target_hidden_states", "target_top_logits", "target_top_ids")
+_FLOAT_FEATURES = ("target_hidden_states", "target_top_logits")  # kept in their stored dtype by the collator
 
 __all__ = [
     "Eagle3DataCollator",
@@ -50,7 +53,10 @@ class Eagle3TrainingArguments(TrainingArguments):
         ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
         ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
         feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
-            ``target_hidden_states`` / ``target_logits``, e.g. from `OfflineFeatureDataset`).
+            ``target_hidden_states`` / ``target_top_logits`` / ``target_top_ids``, e.g. from `OfflineFeatureDataset`).
+        logits_top_k: online features keep the target's `logits_top_k` largest logits per position, as offline
+            features do (`eagle3-hf features --logits-top-k`); the soft label is their softmax over the draft
+            vocabulary's ids. Offline batches carry their own.
         draft_vocab_size: expected size of the draft head; checked against the draft when given.
         max_length: longer rows are cut by the default collator.
         build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
@@ -63,6 +69,7 @@ class Eagle3TrainingArguments(TrainingArguments):
     ttt_length: int = field(default=7, metadata={"help": "TTT steps per position"})
     ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of step j is ttt_decay**j"})
     feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
+    logits_top_k: int = field(default=DEFAULT_TOP_K, metadata={"help": "target logits kept per position (online)"})
     draft_vocab_size: int | None = field(default=None, metadata={"help": "expected draft vocabulary size"})
     max_length: int | None = field(default=2048, metadata={"help": "cut longer rows in the default collator"})
     build_draft_vocab: bool = field(default=True, metadata={"help": "build a placeholder draft vocabulary from data"})
@@ -76,6 +83,8 @@ class Eagle3TrainingArguments(TrainingArguments):
             raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
         if self.feature_mode not in ("online", "offline"):
             raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
+        if not isinstance(self.logits_top_k, int) or self.logits_top_k < 1:
+            raise ValueError(f"logits_top_k must be a positive integer, got {self.logits_top_k!r}.")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be None or >= 2, got {self.max_length!r}.")
 
@@ -85,7 +94,8 @@ class Eagle3DataCollator:
     """Right-pad rows into a batch; ``loss_mask`` and ``attention_mask`` are 0 on padding, features 0.
 
     Rows hold ``input_ids`` and ``loss_mask`` (lists or tensors), optionally ``attention_mask`` and the offline
-    features ``target_hidden_states`` ``[S, 3Ht]`` / ``target_logits`` ``[S, Vd]``; other keys (``id``) are dropped.
+    features ``target_hidden_states`` ``[S, 3Ht]`` / ``target_top_logits`` / ``target_top_ids`` ``[S, k]``; other keys
+    (``id``) are dropped.
 
     Example:
 
@@ -122,7 +132,7 @@ class Eagle3DataCollator:
                     value = torch.ones(n, dtype=torch.long)
                 else:
                     value = torch.as_tensor(row[key])[:n]
-                    value = value.long() if key != "target_hidden_states" and key != "target_logits" else value
+                    value = value if key in _FLOAT_FEATURES else value.long()
                 values.append(value)
             fill = self.pad_token_id if key == "input_ids" else 0
             out = values[0].new_full((len(rows), width, *values[0].shape[1:]), fill)
@@ -255,13 +265,9 @@ class Eagle3Trainer(Trainer):
                     f"The features in {dataset.folder!r} tap layers {dataset.layer_ids}, the draft reads "
                     f"{draft.config.resolved_target_layer_ids(num_layers)}."
                 )
-            if draft.config.uses_draft_vocab and not draft.d2t.any() and args.build_draft_vocab:
-                draft.set_draft_vocab(dataset.d2t, dataset.t2d)  # placeholder vocabulary: take the features'
-            if not torch.equal(draft.t2d.cpu(), dataset.t2d):
-                raise ValueError(
-                    f"The features in {dataset.folder!r} were restricted to another draft vocabulary than the "
-                    "draft's t2d; precompute them with this draft's vocabulary (or install theirs)."
-                )
+            placeholder = draft.config.uses_draft_vocab and not draft.d2t.any()
+            if name == "train_dataset" and placeholder and args.build_draft_vocab:
+                install_draft_vocab(draft, dataset.token_rows())  # count the features' tokens
         elif (
             name == "train_dataset"
             and args.build_draft_vocab
@@ -279,7 +285,10 @@ class Eagle3Trainer(Trainer):
             logits = ttt_forward(
                 draft, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length
             )
-        return ttt_loss(logits, batch["target_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay)
+        return ttt_loss(
+            logits, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
+            target_ids=batch["target_top_ids"],
+        )  # fmt: skip
 
     def compute_loss(
         self,
@@ -291,8 +300,8 @@ class Eagle3Trainer(Trainer):
         draft = _base_draft(self.accelerator.unwrap_model(model))
         batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask")}
         if self.args.feature_mode == "online":
-            batch["target_hidden_states"], batch["target_logits"] = online_features(
-                self.target, draft, batch["input_ids"], batch["attention_mask"]
+            batch["target_hidden_states"], batch["target_top_logits"], batch["target_top_ids"] = online_features(
+                self.target, draft, batch["input_ids"], batch["attention_mask"], self.args.logits_top_k
             )
         else:
             missing = [k for k in FEATURE_KEYS if k not in inputs]
@@ -322,17 +331,19 @@ class Eagle3Trainer(Trainer):
     def _accumulate(self, out: TTTOutput, mode: str) -> None:
         k = out.step_losses.numel()
         row = torch.cat([out.step_losses.float(), out.step_correct.float(), out.step_supervised.float(),
-                         out.step_losses.new_ones(1, dtype=torch.float32)])  # fmt: skip
-        if mode not in self._metric_sums or self._metric_sums[mode].numel() != 3 * k + 1:
+                         out.step_in_vocab.float(), out.step_losses.new_ones(1, dtype=torch.float32)])  # fmt: skip
+        if mode not in self._metric_sums or self._metric_sums[mode].numel() != 4 * k + 1:
             self._metric_sums[mode] = torch.zeros_like(row)
         self._metric_sums[mode] += row.detach()
 
     def _pop_metrics(self, mode: str, prefix: str) -> dict[str, float]:
         sums = self.accelerator.reduce(self._metric_sums.pop(mode), reduction="sum").cpu()
-        k = (sums.numel() - 1) // 3
-        losses, correct, supervised, batches = sums[:k], sums[k : 2 * k], sums[2 * k : 3 * k], sums[-1]
+        k = (sums.numel() - 1) // 4
+        losses, correct, supervised, in_vocab = sums[:k], sums[k : 2 * k], sums[2 * k : 3 * k], sums[3 * k : 4 * k]
+        batches = sums[-1]
         acc = correct / supervised.clamp(min=1)
         metrics = {f"{prefix}acc_{j}": round(float(acc[j]), 4) for j in range(k)}
+        metrics[f"{prefix}coverage"] = round(float(in_vocab[0] / supervised[0].clamp(min=1)), 4)
         metrics.update({f"{prefix}loss_{j}": round(float(losses[j] / batches.clamp(min=1)), 4) for j in range(k)})
         metrics[f"{prefix}sim_accept_len"] = round(simulated_acceptance_length(acc), 4)
         return metrics

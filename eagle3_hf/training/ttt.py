@@ -1,13 +1,13 @@
 """Training-time test (TTT): the EAGLE-3 training forward and its loss.
 
 Alignment (EAGLE-3 reference §3, with the loss mask aligned to the predicted token, pitfall 1). A batch holds tokens
-``x`` ``[B, S]``, target features ``h`` ``[B, S, 3Ht]`` (the taps at each position), target logits ``[B, S, V]`` (or
-already restricted to the draft vocabulary, ``[B, S, Vd]``) and ``loss_mask`` ``[B, S]``:
+``x`` ``[B, S]``, target features ``h`` ``[B, S, 3Ht]`` (the taps at each position), target logits (the full
+``[B, S, V]``, or the top-k ``[B, S, k]`` with their ids, `target_top_k`) and ``loss_mask`` ``[B, S]``:
 
 * position ``t`` pairs ``(h_t, x_{t+1})``; at TTT step ``j`` it is fed token ``x_{t+1+j}`` (teacher forcing) at RoPE
   position ``t + j``, with ``g_0 = fc(h_t)`` and ``g_{j+1}`` the draft's own output of step ``j``;
 * it predicts ``x_{t+2+j}``, whose target distribution is ``softmax(target_logits[t+1+j])`` over the draft vocabulary
-  (the target logits at the ``t2d`` ids, renormalised);
+  (the target logits at the ``t2d`` ids among those kept, renormalised; `draft_vocab_targets`);
 * it is supervised iff ``loss_mask[t+2+j] == 1``: the mask is read at the predicted token, so the first assistant
   token is learnt, and positions whose prediction would fall past the end of the row (or on padding) never count.
 
@@ -19,9 +19,11 @@ computes when it prefills the pairs up to ``t`` and then feeds its own state bac
 
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
 positions; total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S`` instead, which makes the loss scale
-(hence the effective learning rate) depend on prompt length and padding; a per-supervised-token mean does not. It
-also drops positions whose target argmax lies outside the draft vocabulary; here every supervised position counts
-(its target is still a proper distribution over the draft vocabulary).
+(hence the effective learning rate) depend on prompt length and padding; a per-supervised-token mean does not. As
+in the official code and SpecForge, positions whose target top token lies outside the draft vocabulary carry no
+loss: greedy verification rejects every draft token there, so training them towards the best in-vocabulary token
+only takes capacity. They still count in the accuracy, as misses: accuracy is measured against the target's top
+token over its FULL vocabulary, which is what acceptance measures.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = [
     "TTTOutput",
-    "restrict_to_draft_vocab",
+    "draft_vocab_targets",
     "shift_left",
     "simulated_acceptance_length",
     "step_alignment",
+    "target_top_k",
     "ttt_forward",
     "ttt_loss",
 ]
@@ -50,19 +53,28 @@ class TTTOutput(ModelOutput):
     Args:
         loss: scalar, ``sum_j decay**j * step_losses[j]`` (carries the graph).
         step_losses: ``[K]`` detached per-step losses (mean over supervised positions; 0 where none).
-        step_correct: ``[K]`` supervised positions where the draft argmax equals the target argmax.
+        step_correct: ``[K]`` supervised positions where the draft's top token (as a target id) is the target's
+            top token over its full vocabulary.
         step_supervised: ``[K]`` number of supervised positions per step.
+        step_in_vocab: ``[K]`` supervised positions whose target top token is in the draft vocabulary (the only ones
+            that carry loss).
     """
 
     loss: torch.Tensor | None = None
     step_losses: torch.Tensor | None = None
     step_correct: torch.Tensor | None = None
     step_supervised: torch.Tensor | None = None
+    step_in_vocab: torch.Tensor | None = None
 
     @property
     def step_accuracy(self) -> torch.Tensor:
-        """``[K]`` share of supervised positions predicted right (0 where a step has none)."""
+        """``[K]`` share of supervised positions predicted right, out-of-vocabulary ones as misses (0 if none)."""
         return self.step_correct.float() / self.step_supervised.clamp(min=1).float()
+
+    @property
+    def step_coverage(self) -> torch.Tensor:
+        """``[K]`` share of supervised positions whose target top token the draft vocabulary holds (0 if none)."""
+        return self.step_in_vocab.float() / self.step_supervised.clamp(min=1).float()
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
@@ -82,20 +94,50 @@ def step_alignment(seq_len: int, step: int) -> tuple[slice, slice, slice]:
     return slice(0, n), slice(1 + step, 1 + step + n), slice(2 + step, 2 + step + n)
 
 
-def restrict_to_draft_vocab(target_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Target logits over the draft vocabulary ``[..., Vd]``: columns at the `t2d` ids (ascending = draft id order).
+def target_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's `k` largest logits over its FULL vocabulary and their ids: ``([..., k], int32 [..., k])``.
 
-    Logits that already have ``Vd`` columns (offline features store them restricted) are returned as they are.
+    Sorted in descending order, so column 0 is the target's top token. Online training and offline features both
+    keep exactly this (`k` is capped at the vocabulary size); the loss then restricts it to a draft vocabulary with
+    `draft_vocab_targets`, so one set of features serves any draft vocabulary.
     """
-    vocab, draft_vocab = t2d.numel(), int(t2d.sum())
-    if target_logits.shape[-1] == draft_vocab:
-        return target_logits
-    if target_logits.shape[-1] != vocab:
-        raise ValueError(
-            f"target_logits has {target_logits.shape[-1]} columns; expected the target vocabulary ({vocab}) or the "
-            f"draft vocabulary ({draft_vocab})."
-        )
-    return target_logits[..., t2d.to(target_logits.device)]
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"The number of target logits to keep (top-k) must be a positive integer, got {k!r}.")
+    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1, sorted=True)
+    return values, ids.to(torch.int32)
+
+
+def draft_vocab_targets(
+    target_logits: torch.Tensor, target_ids: torch.Tensor | None, t2d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position: the target's top token, whether the draft vocabulary holds it, and the soft label.
+
+    Args:
+        target_logits: ``[N, k]`` target logits of the ids `target_ids`, or ``[N, V]`` over the whole vocabulary.
+        target_ids: ``[N, k]`` the target ids of the columns (`target_top_k`'s), or `None` for ``[N, V]``.
+        t2d: ``[V]`` bool draft-vocabulary membership.
+
+    Returns ``(top [N] target ids, in_vocab [N] bool, p [M, Vd])``: `p` is, for the ``M`` positions whose top token
+    is in the draft vocabulary, the softmax of their logits restricted to draft-vocabulary ids (every other id, and
+    every id outside the top k, at -inf), float32, in draft-id order.
+    """
+    t2d = t2d.to(target_logits.device)
+    if target_ids is None:
+        top = target_logits.argmax(-1)  # [N]
+        in_vocab = t2d[top]
+        return top, in_vocab, torch.softmax(target_logits[in_vocab][:, t2d].float(), dim=-1)
+    ids = target_ids.long()
+    top = ids.gather(-1, target_logits.argmax(-1, keepdim=True))[:, 0]  # column 0 when sorted, any order works
+    in_vocab = t2d[top]
+    ids, logits = ids[in_vocab], target_logits[in_vocab].float()  # [M, k]
+    draft_vocab = int(t2d.sum())
+    member = t2d[ids]
+    draft_index = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of each in-vocabulary target id
+    # Ids outside the draft vocabulary are written to a spare last column that is dropped.
+    columns = torch.where(member, draft_index[ids], draft_vocab)
+    scores = logits.new_full((logits.shape[0], draft_vocab + 1), float("-inf"))
+    scores.scatter_(1, columns, torch.where(member, logits, float("-inf")))
+    return top, in_vocab, torch.softmax(scores[:, :draft_vocab], dim=-1)
 
 
 def _joint_attention(
@@ -256,51 +298,77 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     t2d: torch.Tensor | None = None,
     decay: float = 0.8,
+    target_ids: torch.Tensor | None = None,
 ) -> TTTOutput:
-    """The TTT loss and per-step accuracy counts.
+    """The TTT loss, and per-step accuracy against the target's full-vocabulary top token.
 
     Args:
         step_logits: per step ``[B, S, Vd]`` draft logits (from `ttt_forward`).
-        target_logits: ``[B, S, V]`` target logits (restricted through `t2d`) or ``[B, S, Vd]`` already restricted.
+        target_logits: ``[B, S, V]`` full target logits, or ``[B, S, k]`` the target's top-k logits (with
+            `target_ids`, e.g. from `target_top_k` or offline features).
         loss_mask: ``[B, S]`` 1 where the token is supervised (assistant tokens), 0 elsewhere and on padding.
-        t2d: ``[V]`` bool draft-vocabulary membership; needed only when `target_logits` has ``V`` columns.
+        t2d: ``[V]`` bool draft-vocabulary membership; may be left out only when the draft predicts all ``V`` ids.
         decay: weight of step ``j`` is ``decay**j``.
+        target_ids: ``[B, S, k]`` the target ids of the `target_logits` columns (top-k); `None` when they are the
+            full vocabulary.
+
+    A supervised position whose target top token lies outside the draft vocabulary carries no loss (greedy
+    verification rejects every draft token there) but counts as a miss in the accuracy, so that ``step_accuracy``
+    is the share of the target's tokens the draft gets, as acceptance measures it; ``step_coverage`` is the share of
+    supervised positions whose target top token the draft vocabulary holds.
     """
     if not step_logits:
         raise ValueError("step_logits is empty; run at least one TTT step.")
-    if t2d is not None:
-        target_logits = restrict_to_draft_vocab(target_logits, t2d)
     draft_vocab = step_logits[0].shape[-1]
-    if target_logits.shape[-1] != draft_vocab:
+    if t2d is None:
+        if target_ids is not None or target_logits.shape[-1] != draft_vocab:
+            raise ValueError(
+                f"The draft predicts {draft_vocab} tokens: pass t2d (its vocabulary over the target's ids) to "
+                "compare it with the target."
+            )
+        t2d = torch.ones(draft_vocab, dtype=torch.bool)
+    t2d = t2d.to(step_logits[0].device)
+    if int(t2d.sum()) != draft_vocab:
+        raise ValueError(f"t2d marks {int(t2d.sum())} ids but the draft predicts {draft_vocab} tokens.")
+    if target_ids is None and target_logits.shape[-1] != t2d.numel():
         raise ValueError(
-            f"target_logits has {target_logits.shape[-1]} columns but the draft predicts {draft_vocab} tokens; "
-            "pass t2d to restrict full-vocabulary target logits."
+            f"target_logits has {target_logits.shape[-1]} columns; expected the target vocabulary ({t2d.numel()}), "
+            "or pass target_ids for top-k logits."
+        )
+    if target_ids is not None and target_ids.shape != target_logits.shape:
+        raise ValueError(
+            f"target_ids has shape {tuple(target_ids.shape)}, expected that of target_logits "
+            f"{tuple(target_logits.shape)}."
         )
     if loss_mask.shape != target_logits.shape[:2]:
         raise ValueError(
             f"loss_mask has shape {tuple(loss_mask.shape)}, expected {tuple(target_logits.shape[:2])} (batch, seq)."
         )
+    draft_to_target = torch.nonzero(t2d)[:, 0]  # [Vd] target id of each draft id (d2t as absolute ids)
     seq = loss_mask.shape[1]
     total = step_logits[0].new_zeros((), dtype=torch.float32)
-    losses, correct, supervised = [], [], []
+    losses, correct, supervised, in_vocab_counts = [], [], [], []
     for step, logits in enumerate(step_logits):
         draft_pos, target_rows, mask_pos = step_alignment(seq, step)
         selected = loss_mask[:, mask_pos].bool()  # [B, n]
         # Gather the supervised positions first: the softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
-        log_q = torch.log_softmax(logits[:, draft_pos][selected].float(), dim=-1)  # [N, Vd]
-        target = target_logits[:, target_rows][selected].float()  # [N, Vd]
-        p = torch.softmax(target, dim=-1)
-        count = selected.sum()
-        step_loss = -(p * log_q).sum() / count.clamp(min=1)
+        ids = target_ids[:, target_rows][selected] if target_ids is not None else None
+        top, in_vocab, p = draft_vocab_targets(target_logits[:, target_rows][selected], ids, t2d)  # [N], [N], [M, Vd]
+        draft_logits = logits[:, draft_pos][selected]  # [N, Vd]
+        log_q = torch.log_softmax(draft_logits[in_vocab].float(), dim=-1)  # [M, Vd]
+        carrying = in_vocab.sum()
+        step_loss = -(p * log_q).sum() / carrying.clamp(min=1)
         total = total + decay**step * step_loss
         losses.append(step_loss.detach())
-        correct.append((log_q.argmax(-1) == target.argmax(-1)).sum())
-        supervised.append(count)
+        correct.append((draft_to_target[draft_logits.argmax(-1)] == top).sum())
+        supervised.append(selected.sum())
+        in_vocab_counts.append(carrying)
     return TTTOutput(
         loss=total,
         step_losses=torch.stack(losses),
         step_correct=torch.stack(correct),
         step_supervised=torch.stack(supervised),
+        step_in_vocab=torch.stack(in_vocab_counts),
     )
 
 

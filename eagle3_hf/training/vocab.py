@@ -19,14 +19,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
+from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_held_out
 
 __all__ = [
+    "CANDIDATE_VOCAB_SIZES",
     "DraftVocab",
+    "VocabChoice",
     "build_draft_vocab",
+    "choose_draft_vocab_size",
     "count_supervised_tokens",
+    "coverage_by_size",
     "draft_to_target_ids",
     "load_draft_vocab",
     "save_draft_vocab",
+    "select_draft_vocab",
     "validate_vocab_mapping",
 ]
 
@@ -214,3 +220,93 @@ def _vocab_of_draft_folder(folder: str) -> DraftVocab:
         d2t=d2t, t2d=t2d, counts=torch.zeros(t2d.numel(), dtype=torch.long), coverage=float("nan"),
         num_seen=0, num_padded=0,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# choosing the size by held-out coverage
+# ------------------------------------------------------------------------------------------------------------------
+
+CANDIDATE_VOCAB_SIZES = (4096, 8192, 16384, 32768)
+DEFAULT_MIN_COVERAGE = 0.95
+
+
+def coverage_by_size(
+    train_counts: torch.Tensor, held_out_counts: torch.Tensor, sizes: Iterable[int] = CANDIDATE_VOCAB_SIZES
+) -> dict[int, float]:
+    """Share of `held_out_counts`' tokens that the vocabulary `build_draft_vocab` picks from `train_counts` holds, for
+    each size (sizes above the target vocabulary are left out). NaN when there are no held-out tokens."""
+    if train_counts.shape != held_out_counts.shape:
+        raise ValueError(
+            f"train_counts and held_out_counts must cover the same ids, got {tuple(train_counts.shape)} and "
+            f"{tuple(held_out_counts.shape)}."
+        )
+    order = torch.sort(train_counts, descending=True, stable=True).indices  # the order build_draft_vocab picks in
+    total = int(held_out_counts.sum())
+    return {
+        size: (int(held_out_counts[order[:size]].sum()) / total if total else float("nan"))
+        for size in sorted(sizes)
+        if 1 <= size <= train_counts.numel()
+    }
+
+
+def choose_draft_vocab_size(coverages: Mapping[int, float], min_coverage: float = DEFAULT_MIN_COVERAGE) -> int:
+    """The smallest size whose coverage is at least `min_coverage`; the largest size when none reaches it."""
+    if not coverages:
+        raise ValueError("No candidate draft vocabulary size fits the target vocabulary.")
+    if not 0.0 < min_coverage <= 1.0:
+        raise ValueError(f"min_coverage must be in (0, 1], got {min_coverage!r}.")
+    return next((size for size in sorted(coverages) if coverages[size] >= min_coverage), max(coverages))
+
+
+@dataclass(frozen=True)
+class VocabChoice:
+    """What `select_draft_vocab` chose, and the measurements it chose by.
+
+    Attributes:
+        vocab: the draft vocabulary, built from the training conversations (held-out ones excluded).
+        coverages: candidate size -> share of the held-out supervised tokens that vocabulary of that size holds.
+        num_held_out: held-out conversations measured; 0 means there were none and `coverages` were measured on
+            the training conversations themselves.
+    """
+
+    vocab: DraftVocab
+    coverages: dict[int, float]
+    num_held_out: int
+
+    def table(self) -> str:
+        """The lines `eagle3-hf vocab` and `train --draft-vocab-size auto` print."""
+        where = (f"{self.num_held_out} held-out conversations" if self.num_held_out else
+                 "no held-out conversations, so measured on the training data")  # fmt: skip
+        lines = [f"Coverage of the target's supervised tokens by draft vocabulary size ({where}):"]
+        lines += [f"  {size:>6} ids: {100 * c:6.2f}%{'  <- chosen' if size == self.vocab.draft_vocab_size else ''}"
+                  for size, c in self.coverages.items()]  # fmt: skip
+        return "\n".join(lines)
+
+
+def select_draft_vocab(
+    rows: Dataset | Iterable[Mapping],
+    target_vocab_size: int,
+    draft_vocab_size: int | str = "auto",
+    min_coverage: float = DEFAULT_MIN_COVERAGE,
+    held_out_fraction: float = DEFAULT_HELD_OUT_FRACTION,
+    sizes: Iterable[int] = CANDIDATE_VOCAB_SIZES,
+) -> VocabChoice:
+    """Build the draft vocabulary from all training conversations and measure candidate sizes on held-out ones.
+
+    `rows` are tokenised conversations with ``id``, ``input_ids`` and ``loss_mask``; the held-out ones
+    (`eagle3_hf.training.split`) only measure coverage. ``draft_vocab_size="auto"`` picks the smallest of `sizes`
+    whose held-out coverage is at least `min_coverage` (the largest when none is); an integer is used as given.
+    """
+    if draft_vocab_size != "auto" and not isinstance(draft_vocab_size, int):
+        raise ValueError(f"draft_vocab_size must be an integer or 'auto', got {draft_vocab_size!r}.")
+    train, held_out = split_held_out(rows, held_out_fraction)
+    train_counts = count_supervised_tokens(train, target_vocab_size)
+    held_counts = count_supervised_tokens(held_out, target_vocab_size) if len(held_out) else None
+    if held_counts is None or not held_counts.any():
+        held_counts, num_held_out = train_counts, 0
+    else:
+        num_held_out = len(held_out)
+    # A target vocabulary smaller than a candidate caps it (tiny test models): the whole vocabulary is a candidate.
+    coverages = coverage_by_size(train_counts, held_counts, {min(size, target_vocab_size) for size in sizes})
+    size = choose_draft_vocab_size(coverages, min_coverage) if draft_vocab_size == "auto" else draft_vocab_size
+    return VocabChoice(build_draft_vocab(train_counts, target_vocab_size, size), coverages, num_held_out)

@@ -1,0 +1,79 @@
+"""`eagle3-hf evaluate`: full-vocabulary TTT accuracy of drafts on conversations training never saw
+(`eagle3_hf.training.evaluation`).
+
+    eagle3-hf evaluate --target smollm2 --draft DIR [DIR ...] --data work_data/regen_sharegpt   # held-out split
+    eagle3-hf evaluate --target smollm2 --draft DIR --data work_data/regen_mtbench --split all   # MT-bench turn 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from eagle3_hf.hub import load_draft_for, shipped_draft_path
+from eagle3_hf.model_card import EVALUATION_NAME, format_evaluation_table
+from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.training.evaluation import evaluate_draft
+from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_filter
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="smollm2", help='target model: a folder, a .gguf file, or "smollm2"')
+    parser.add_argument("--draft", nargs="+", default=[None], help="draft folders (default: the shipped draft)")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="conversations answered by the target: JSON(L) or folders of shards (such as "
+                        "regen_mtbench/ from examples/data/smollm2_mtbench_turn1_regen.tar.gz)")  # fmt: skip
+    parser.add_argument("--split", choices=("held-out", "all"), default="held-out",
+                        help="held-out: only the conversations training leaves out (by id hash); all: every one "
+                        "(data no draft was trained on, such as MT-bench)")  # fmt: skip
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION)
+    parser.add_argument("--max-conversations", type=int, default=None, help="evaluate at most this many")
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--ttt-length", type=int, default=7)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the target and the draft")  # fmt: skip
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="write {draft: metrics} here")
+    parser.add_argument("--record", default=None, metavar="LABEL",
+                        help=f"also keep the metrics in each draft folder's {EVALUATION_NAME} under LABEL (e.g. "
+                        "'MT-bench turn 1'); its model card shows them")  # fmt: skip
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        select = split_filter(args.split, args.held_out_fraction)
+        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
+        dtype = getattr(torch, args.dtype)
+        target = load_target(args.target, dtype=dtype, device=args.device)
+        results = {}
+        for path in args.draft:
+            draft = load_draft_for(args.target, target, path).to(device=args.device, dtype=dtype)
+            metrics = evaluate_draft(draft, target, dataset, args.ttt_length, args.batch_size, progress=True)
+            results[path or "shipped"] = {**metrics, "data": list(args.data), "split": args.split}
+            if args.record:
+                _record(path or shipped_draft_path(args.target), args.record, results[path or "shipped"])
+    except ValueError as err:
+        print(f"eagle3-hf evaluate: error: {err}", file=sys.stderr)
+        return 2
+    print(format_evaluation_table(results, first_column="draft"))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _record(draft_dir: str, label: str, metrics: dict) -> None:
+    """Merge `metrics` into the draft folder's evaluation file under `label`."""
+    path = os.path.join(draft_dir, EVALUATION_NAME)
+    recorded = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    recorded[label] = metrics
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(recorded, f, indent=2)
