@@ -1,16 +1,25 @@
-"""The benchmark behind `eagle3-hf bench` (`eagle3_hf.commands.bench`): plain greedy, prompt lookup, EAGLE-3
-chain and EAGLE-3 tree, side by side.
+"""The benchmark behind `eagle3-hf bench` (`eagle3_hf.commands.bench`): EAGLE-3 against the fastest plain configuration on this machine.
 
-All methods run in one process after a warm-up, interleaved per prompt (these machines are noisy:
-interleaving spreads any slowdown over every method), with the torch thread count fixed and
-reported. Prints a table and writes JSON (and optionally a PNG of acceptance by depth).
+Configurations, each named `<method>_<precision>`:
+
+* plain greedy `generate` in fp32 and in bf16: which one is faster depends on the hardware (on a CPU, one-token
+  steps can be faster in fp32 while wide forwards are much cheaper in bf16), and a speedup only counts against
+  the faster one;
+* EAGLE-3 chain (fixed depth) and tree (cost-model sized) at the speculative precision: `--dtype auto` picks bf16
+  where the hardware has native bf16 matmul and fp32 elsewhere (`eagle3_hf.precision`);
+* optionally prompt lookup, at the speculative precision.
+
+They run in one process after a warm-up, interleaved per prompt (these machines are noisy: interleaving spreads a
+slowdown over every configuration), `--repeats` times; tokens/s are medians over the repeats. Where a greedy EAGLE-3
+output differs from plain decoding at its precision, the report says where, and how close the fp32 target's
+choice was there (`bench_report.divergence`). Prints a table and writes JSON (and optionally markdown and a PNG).
 """
 
 from __future__ import annotations
 
+import copy
 import json
-import os
-import platform
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,37 +27,74 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eagle3_hf.model_card import format_rates
+from eagle3_hf.bench_report import (  # noqa: F401  (re-exported: the benchmark's public pieces)
+    acceptance_by_depth,
+    cycle_breakdown,
+    divergence,
+    environment,
+    format_markdown,
+    format_table,
+    plot_acceptance,
+)
+from eagle3_hf.precision import short_name
 
 METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
+DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
+PLAIN_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def read_prompts(path: str, tokenizer: Any, num_prompts: int | None) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmarked configuration: a decoding method at a precision."""
+
+    method: str
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}_{short_name(self.dtype)}"
+
+
+def bench_configs(
+    spec_dtype: torch.dtype, methods: tuple[str, ...] = DEFAULT_METHODS, plain_dtypes: tuple[torch.dtype, ...] = PLAIN_DTYPES
+) -> list[BenchConfig]:
+    """The configurations to run: plain in every `plain_dtypes` (and `spec_dtype`), the others at `spec_dtype`."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"Unknown method(s) {unknown}; choose from {list(METHODS)}.")
+    configs: list[BenchConfig] = []
+    if "plain" in methods:
+        configs += [BenchConfig("plain", d) for d in dict.fromkeys((*plain_dtypes, spec_dtype))]
+    configs += [BenchConfig(m, spec_dtype) for m in METHODS if m != "plain" and m in methods]
+    return configs
+
+
+def read_prompts(path: str, tokenizer: Any, num_prompts: int | None, every: int = 1) -> list[torch.Tensor]:
     """Prompts from MT-bench `question.jsonl` (`turns`, first turn used) or JSONL with `prompt` or `messages`,
-    rendered with the tokenizer's chat template."""
+    rendered with the tokenizer's chat template: every `every`-th record (MT-bench lists its 8 categories in
+    blocks of 10, so every 8th question covers them all), at most `num_prompts` of them."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1 (take every n-th prompt), got {every}.")
     prompts: list[list[dict]] = []
     with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "turns" in record:
-                messages = [{"role": "user", "content": record["turns"][0]}]
-            elif "messages" in record:  # the conversation up to its first assistant turn (system prompt kept)
-                first_answer = next(
-                    (i for i, m in enumerate(record["messages"]) if m.get("role") == "assistant"), None
-                )
-                messages = record["messages"][:first_answer]
-            elif "prompt" in record:
-                messages = [{"role": "user", "content": record["prompt"]}]
-            else:
-                raise ValueError(
-                    f"{path}:{line_no}: expected a record with 'turns' (MT-bench), 'prompt' or 'messages'; "
-                    f"got keys {sorted(record)}."
-                )
-            prompts.append(messages)
-            if num_prompts is not None and len(prompts) >= num_prompts:
-                break
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    for line_no, line in lines[::every]:
+        record = json.loads(line)
+        if "turns" in record:
+            messages = [{"role": "user", "content": record["turns"][0]}]
+        elif "messages" in record:  # the conversation up to its first assistant turn (system prompt kept)
+            first_answer = next((i for i, m in enumerate(record["messages"]) if m.get("role") == "assistant"), None)
+            messages = record["messages"][:first_answer]
+        elif "prompt" in record:
+            messages = [{"role": "user", "content": record["prompt"]}]
+        else:
+            raise ValueError(
+                f"{path}:{line_no}: expected a record with 'turns' (MT-bench), 'prompt' or 'messages'; "
+                f"got keys {sorted(record)}."
+            )
+        prompts.append(messages)
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
     if not prompts:
         raise ValueError(f"No prompts found in {path}.")
     return [
@@ -58,189 +104,186 @@ def read_prompts(path: str, tokenizer: Any, num_prompts: int | None) -> list[tor
 
 
 @dataclass
-class MethodResult:
-    tokens: int = 0
-    seconds: float = 0.0
-    outputs: list[list[int]] = field(default_factory=list)
-    accept_lengths: list[int] = field(default_factory=list)  # drafted cycles only
+class ConfigResult:
+    tokens: list[int] = field(default_factory=list)  # per repeat, over all prompts
+    seconds: list[float] = field(default_factory=list)  # per repeat
+    outputs: list[list[list[int]]] = field(default_factory=list)  # [repeat][prompt] new tokens
+    accept_lengths: list[int] = field(default_factory=list)  # drafted cycles only, all repeats
     cycles: int = 0  # all verification cycles, drafted or not
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
 
     @property
+    def rates(self) -> list[float]:
+        return [t / s if s else 0.0 for t, s in zip(self.tokens, self.seconds)]
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float | None]:
-    """n-alpha: share of cycles whose accepted path reached at least depth d, for d = 1..max_depth, given that
-    the cycle reached depth d-1 (the paper's acceptance rate at position d). None where no cycle reached d-1:
-    there the rate is unmeasured, not zero."""
-    rates = []
-    for d in range(1, max_depth + 1):
-        reached_prev = sum(1 for a in accept_lengths if a - 1 >= d - 1)
-        reached = sum(1 for a in accept_lengths if a - 1 >= d)
-        rates.append(reached / reached_prev if reached_prev else None)
-    return rates
-
-
-def cycle_breakdown(r: MethodResult) -> dict[str, float]:
-    """Where an EAGLE-3 method's time goes, in milliseconds per verification cycle: drafting the tree, the target's
-    verify forward with acceptance and cache compaction, and everything else generate() does around them (token
-    bookkeeping, stopping criteria, logits processors, setup); the prompt's prefill is kept apart."""
-    per = 1000.0 / r.cycles
-    other = r.seconds - r.prefill_s - r.draft_s - r.verify_s
-    return {
-        "draft": r.draft_s * per, "verify": r.verify_s * per, "other": other * per,
-        "tokens_per_cycle": r.tokens / r.cycles, "prefill_per_prompt": 1000.0 * r.prefill_s / len(r.outputs),
-    }
+        return statistics.median(self.rates) if self.rates else 0.0
 
 
 def run_benchmark(
-    target: Any,
-    draft: Any,
+    targets: dict[torch.dtype, Any],
+    drafts: dict[torch.dtype, Any],
     prompts: list[torch.Tensor],
+    configs: list[BenchConfig],
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     tree_kwargs: dict[str, Any] | None = None,
-    methods: tuple[str, ...] = METHODS,
+    repeats: int = 1,
     warmup_tokens: int = 16,
 ) -> dict[str, Any]:
-    """Measure every method on every prompt (interleaved); return the report dict."""
+    """Measure every configuration on every prompt (interleaved), `repeats` times; return the report dict.
+
+    `targets` maps each precision to the target loaded in it, `drafts` each speculative precision to the draft bound
+    to that target. The fp32 target, when given, also scores where greedy outputs diverge.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}.")
+    missing = sorted({str(c.dtype) for c in configs if c.dtype not in targets} | {
+        str(c.dtype) for c in configs if c.method.startswith("eagle3") and c.dtype not in drafts})  # fmt: skip
+    if missing:
+        raise ValueError(f"No target or draft given for precision(s) {missing} that the configurations need.")
     tree_kwargs = dict(tree_kwargs or {})
     sample = temperature > 0
-    common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": sample}
+    common: dict[str, Any] = {"do_sample": sample}
     if sample:
         common.update(temperature=temperature, top_k=0)
-    depth = tree_kwargs.get("tree_depth", draft.config.tree_depth)
+    eagle = next((c for c in configs if c.method.startswith("eagle3")), None)
+    depth = tree_kwargs.get("tree_depth", drafts[eagle.dtype].config.tree_depth) if eagle else 0
     chain_kwargs = {k: v for k, v in tree_kwargs.items() if k not in ("tree_top_k", "tree_total_tokens")}
 
-    def call(method: str, ids: torch.Tensor, max_new: int) -> Any:
+    def call(config: BenchConfig, ids: torch.Tensor, max_new: int) -> Any:
+        target, draft = targets[config.dtype], drafts.get(config.dtype)
         kwargs = dict(common, max_new_tokens=max_new, attention_mask=torch.ones_like(ids))
-        if method == "plain":
+        if config.method == "plain":
             return target.generate(ids, **kwargs)
-        if method == "prompt_lookup":
+        if config.method == "prompt_lookup":
             return target.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
-        if method == "eagle3_chain":  # a fixed-depth chain: every cycle drafts `depth` tokens (the paper's n-alpha)
+        if config.method == "eagle3_chain":  # a fixed-depth chain: every cycle drafts `depth` tokens (the paper's n-alpha)
             return target.generate(
                 ids, assistant_model=draft, return_dict_in_generate=True, tree_top_k=1,
                 tree_total_tokens=depth + 1, **dict(chain_kwargs, adaptive_tree=False), **kwargs,
-            )
+            )  # fmt: skip
         return target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **tree_kwargs, **kwargs)
 
-    results = {m: MethodResult() for m in methods}
+    results = {c.name: ConfigResult() for c in configs}
     with torch.no_grad():
-        for m in methods:  # warm-up: first calls pay for allocations and lazy initialisation
-            call(m, prompts[0].to(target.device), warmup_tokens)
-        for ids in tqdm(prompts, desc="Benchmark", unit="prompt"):
-            ids = ids.to(target.device)
-            for m in methods:
-                torch.manual_seed(0)
-                start = time.perf_counter()
-                out = call(m, ids, max_new_tokens)
-                seconds = time.perf_counter() - start
-                sequences = out.sequences if hasattr(out, "sequences") else out
-                new = sequences[0, ids.shape[1] :].tolist()
-                r = results[m]
-                r.seconds += seconds
-                r.tokens += len(new)
-                r.outputs.append(new)
-                if getattr(out, "accept_lengths", None) is not None:
-                    # cycles that verified a drafted tree (the cost model may verify the root alone)
-                    r.accept_lengths.extend(a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1)
-                    r.cycles += len(out.accept_lengths)
-                    r.prefill_s += out.prefill_time
-                    r.draft_s += out.draft_time
-                    r.verify_s += out.verify_time
-    report: dict[str, Any] = {"tokens_per_s": {m: results[m].tokens_per_s for m in methods}}
-    plain = results.get("plain")
-    tree = results.get("eagle3_tree")
+        for c in configs:  # warm-up: first calls pay for allocations and lazy initialisation
+            call(c, prompts[0], warmup_tokens)
+        for repeat in range(repeats):
+            for r in results.values():
+                r.tokens.append(0)
+                r.seconds.append(0.0)
+                r.outputs.append([])
+            for ids in tqdm(prompts, desc=f"Benchmark (repeat {repeat + 1}/{repeats})", unit="prompt"):
+                for c in configs:
+                    torch.manual_seed(0)
+                    device_ids = ids.to(targets[c.dtype].device)
+                    start = time.perf_counter()
+                    out = call(c, device_ids, max_new_tokens)
+                    seconds = time.perf_counter() - start
+                    sequences = out.sequences if hasattr(out, "sequences") else out
+                    new = sequences[0, ids.shape[1] :].tolist()
+                    r = results[c.name]
+                    r.seconds[-1] += seconds
+                    r.tokens[-1] += len(new)
+                    r.outputs[-1].append(new)
+                    if getattr(out, "accept_lengths", None) is not None:
+                        # cycles that verified a drafted tree (the cost model may verify the root alone)
+                        r.accept_lengths.extend(a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1)
+                        r.cycles += len(out.accept_lengths)
+                        r.prefill_s += out.prefill_time
+                        r.draft_s += out.draft_time
+                        r.verify_s += out.verify_time
+        report = _report(results, configs, prompts, depth)
+        if not sample:
+            _add_divergences(report, results, configs, prompts, targets)
+    return report
+
+
+def _report(results: dict[str, ConfigResult], configs: list[BenchConfig], prompts: list, depth: int) -> dict:
+    report: dict[str, Any] = {
+        "configurations": [c.name for c in configs],
+        "tokens_per_s": {name: r.tokens_per_s for name, r in results.items()},
+        "tokens_per_s_by_repeat": {name: r.rates for name, r in results.items()},
+    }
+    plain = [c.name for c in configs if c.method == "plain"]
+    by_method = {c.method: c for c in configs}
+    tree_config = by_method.get("eagle3_tree")
+    tree = results[tree_config.name] if tree_config else None
     if tree is not None:
         drafted = tree.accept_lengths
         report["tau"] = sum(drafted) / len(drafted) if drafted else 0.0
         report["drafted_cycle_share"] = len(drafted) / tree.cycles if tree.cycles else 0.0
-    if "eagle3_chain" in results and results["eagle3_chain"].accept_lengths:
-        chain = results["eagle3_chain"].accept_lengths
-        report["tau_chain"] = sum(chain) / len(chain)
-        report["acceptance_by_depth"] = acceptance_by_depth(chain, depth)
+    chain = results[by_method["eagle3_chain"].name] if "eagle3_chain" in by_method else None
+    if chain is not None and chain.accept_lengths:
+        report["tau_chain"] = sum(chain.accept_lengths) / len(chain.accept_lengths)
+        report["acceptance_by_depth"] = acceptance_by_depth(chain.accept_lengths, depth)
         # how many cycles each rate is measured over (those that reached depth d-1): deep rates rest on few
-        report["acceptance_by_depth_cycles"] = [sum(1 for a in chain if a - 1 >= d - 1) for d in range(1, depth + 1)]
-    if plain is not None and tree is not None:
-        report["speedup"] = tree.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
-        if not sample:
-            same = sum(a == b for a, b in zip(plain.outputs, tree.outputs))
-            report["identical"] = same / len(plain.outputs)
-    if plain is not None:
-        report["speedup_by_method"] = {
-            m: (results[m].tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0) for m in methods
-        }
-    report["time_per_cycle_ms"] = {m: cycle_breakdown(results[m]) for m in methods if results[m].cycles}
-    if plain is not None and plain.tokens:
-        report["plain_ms_per_token"] = 1000 * plain.seconds / plain.tokens
-    report["tokens"] = {m: results[m].tokens for m in methods}
-    report["seconds"] = {m: results[m].seconds for m in methods}
+        report["acceptance_by_depth_cycles"] = [
+            sum(1 for a in chain.accept_lengths if a - 1 >= d - 1) for d in range(1, depth + 1)
+        ]
+    if plain:
+        fastest = max(plain, key=lambda n: results[n].tokens_per_s)
+        best = results[fastest].tokens_per_s
+        report["fastest_plain"] = fastest
+        report["speedup_by_method"] = {n: (r.tokens_per_s / best if best else 0.0) for n, r in results.items()}
+        if tree is not None:
+            same = results[BenchConfig("plain", tree_config.dtype).name]
+            report["speedup"] = tree.tokens_per_s / best if best else 0.0
+            report["speedup_same_precision"] = tree.tokens_per_s / same.tokens_per_s if same.tokens_per_s else 0.0
+        report["plain_ms_per_token"] = {n: 1000 * sum(results[n].seconds) / max(sum(results[n].tokens), 1) for n in plain}
+    report["time_per_cycle_ms"] = {
+        n: cycle_breakdown(sum(r.seconds), sum(r.tokens), r.cycles, len(prompts) * len(r.seconds), r.prefill_s,
+                           r.draft_s, r.verify_s)
+        for n, r in results.items() if r.cycles
+    }  # fmt: skip
+    report["tokens"] = {n: sum(r.tokens) for n, r in results.items()}
+    report["seconds"] = {n: sum(r.seconds) for n, r in results.items()}
     return report
 
 
-def environment() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{'method':<16}{'tokens/s':>10}{'speedup':>9}"]
-    for m, tps in report["tokens_per_s"].items():
-        speedup = report.get("speedup_by_method", {}).get(m)  # absent without plain to compare with
-        lines.append(f"{m:<16}{tps:>10.2f}" + (f"{speedup:>8.2f}x" if speedup is not None else f"{'-':>9}"))
-    if "tau" in report:
-        lines.append(
-            f"tau (tree, incl. bonus, over drafted cycles): {report['tau']:.2f}; "
-            f"drafted cycles {report.get('drafted_cycle_share', 0):.0%}"
-        )
-    if "tau_chain" in report:
-        lines.append(f"tau (chain, incl. bonus): {report['tau_chain']:.2f}")
-    if "identical" in report:
-        lines.append(f"greedy outputs identical to plain: {report['identical']:.0%}")
-    if "acceptance_by_depth" in report:
-        lines.append("acceptance by depth (chain): " + format_rates(report["acceptance_by_depth"], " "))
-        if "acceptance_by_depth_cycles" in report:
-            lines.append("  measured over cycles: " + " ".join(str(n) for n in report["acceptance_by_depth_cycles"]))
-    for m, b in report.get("time_per_cycle_ms", {}).items():
-        lines.append(
-            f"{m} per cycle: draft {b['draft']:.1f} ms, verify {b['verify']:.1f} ms, other {b['other']:.1f} ms; "
-            f"{b['tokens_per_cycle']:.2f} tokens/cycle"
-        )
-    if "plain_ms_per_token" in report and report.get("time_per_cycle_ms"):
-        lines.append(f"plain: {report['plain_ms_per_token']:.1f} ms per token")
-    return "\n".join(lines)
+def _add_divergences(report: dict, results: dict, configs: list[BenchConfig], prompts: list, targets: dict) -> None:
+    """Greedy EAGLE-3 outputs against plain decoding at the same precision: the share identical, and for each one
+    that is not, where and at what fp32 margin it left (once per distinct divergence)."""
+    scorer = targets.get(torch.float32)
+    for c in configs:
+        reference = results.get(f"plain_{short_name(c.dtype)}")
+        if not c.method.startswith("eagle3") or reference is None:
+            continue
+        runs = [(r, p) for r in range(len(reference.outputs)) for p in range(len(prompts))]
+        mine = results[c.name].outputs
+        same = sum(mine[r][p] == reference.outputs[r][p] for r, p in runs)
+        report["identical" if c.method == "eagle3_tree" else f"identical_{c.method}"] = same / len(runs)
+        if c.method != "eagle3_tree" or scorer is None:
+            continue
+        seen: set[tuple] = set()
+        found = []
+        for r, p in runs:
+            ref_out, out = reference.outputs[r][p], mine[r][p]
+            key = (p, tuple(ref_out), tuple(out))
+            if out == ref_out or key in seen:
+                continue
+            seen.add(key)
+            d = divergence(scorer, prompts[p], ref_out, out, same_precision=targets[c.dtype])
+            found.append({"prompt": p, "repeat": r, **d})
+        report["divergences"] = found
 
 
-def plot_acceptance(report: dict[str, Any], path: str, fmt: str | None = None) -> None:
-    try:
-        import matplotlib
+def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype]) -> tuple[dict, dict, bool]:
+    """The target in every precision needed (loaded once, copied and cast), the draft bound to the speculative one,
+    and whether bf16 CPU weights were prepacked."""
+    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.modeling.packed_linear import prepack_linears
+    from eagle3_hf.targets import cast_weights, load_target
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ValueError("--plot needs matplotlib: pip install 'eagle3-hf[plot]' (or matplotlib).") from err
-    rates = report["acceptance_by_depth"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(range(1, len(rates) + 1), [0.0 if a is None else a for a in rates])
-    for d, a in enumerate(rates, 1):
-        if a is None:  # no cycle got this deep: mark it rather than draw a zero bar
-            ax.text(d, 0.02, "n/a", ha="center", fontsize=8)
-    ax.set_xlabel("draft depth")
-    ax.set_ylabel("acceptance rate")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"EAGLE-3 acceptance by depth (tau {report.get('tau', 0):.2f})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format=fmt)  # fmt: the file name may not say (a temporary name)
+    base = load_target(args.target, dtype=torch.float32, device=args.device)
+    targets = {d: base if d == torch.float32 else cast_weights(copy.deepcopy(base), d) for d in dtypes | {torch.float32}}
+    draft = load_draft_for(args.target, targets[spec_dtype], args.draft)
+    prepacked = False
+    if not args.no_prepack:
+        for model in (*[t for d, t in targets.items() if d == torch.bfloat16], draft):
+            prepacked |= prepack_linears(model) > 0
+    return targets, {spec_dtype: draft}, prepacked

@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("eagle3_hf.commands.train", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
     "evaluate": ("eagle3_hf.commands.evaluate", "full-vocabulary TTT accuracy of drafts on held-out conversations"),
     "generate": ("eagle3_hf.commands.generate", "generate with a target and its EAGLE-3 draft"),
-    "bench": ("eagle3_hf.commands.bench", "benchmark plain, prompt-lookup and EAGLE-3 decoding side by side"),
+    "bench": ("eagle3_hf.commands.bench", "benchmark EAGLE-3 against the fastest plain decoding (fp32 and bf16)"),
     "convert": (
         "eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"
     ),

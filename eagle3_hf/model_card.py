@@ -66,7 +66,8 @@ def bench_card(draft_dir: str, report: dict[str, Any] | None = None, **text: Any
             if "acceptance_by_depth" in report else None,
             "hardware": f"{env.get('cuda') or env.get('cpu')} ({threads} thread{'' if threads == 1 else 's'})",
             "dtype": cfg.get("dtype"),
-            "prompts": f"{cfg.get('num_prompts')} MT-bench turn-1 prompts x {cfg.get('max_new_tokens')} new tokens",
+            "prompts": f"{cfg.get('num_prompts')} prompts ({cfg.get('prompts', 'MT-bench turn 1')}) x "
+            f"{cfg.get('max_new_tokens')} new tokens" + (f", median of {cfg['repeats']} runs" if cfg.get("repeats") else ""),
             "transformers_version": env.get("transformers"),
             "torch_version": env.get("torch"),
             **text,

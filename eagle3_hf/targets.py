@@ -32,6 +32,7 @@ __all__ = [
     "SMOLLM2",
     "SHORT_NAME_HUB_IDS",
     "cached_plain_copy",
+    "cast_weights",
     "check_device",
     "load_target",
     "load_tokenised_data",
@@ -164,18 +165,20 @@ def load_target(
     ``DistributedConfig(fsdp_size=world_size)``): each process keeps about ``1/world_size`` of every
     weight, on its own device; every process must then run each forward together.
 
-    GGUF weights are dequantized by transformers into plain `dtype` tensors; the quantizer left on the model is
-    removed so that `save_pretrained` writes an ordinary checkpoint. `model.config._name_or_path` is set to the
-    target's Hub id where it is known (`target_hub_id`), else to `name_or_path`, so that a draft trained against
-    this model records which target it belongs to in a form other tools can load. `dtype="auto"` keeps the
-    checkpoint's own precision.
+    GGUF weights are dequantized by transformers into plain tensors (every layer an ordinary `nn.Linear`); the
+    quantizer left on the model is removed so that `save_pretrained` writes an ordinary checkpoint. They are
+    dequantized in fp32 and then cast to `dtype`, which gives the same weights as dequantizing straight to `dtype`
+    without transformers' notice about packed GGUF kernels computing in fp32 (those kernels are not used: the
+    weights end up unpacked). `model.config._name_or_path` is set to the target's Hub id where it is known
+    (`target_hub_id`), else to `name_or_path`, so that a draft trained against this model records which target it
+    belongs to in a form other tools can load. `dtype="auto"` keeps the checkpoint's own precision.
     """
     if shard and not torch.distributed.is_initialized():
         raise ValueError("load_target(shard=True) needs an initialised torch.distributed group (torchrun).")
     directory, gguf_file = resolve_target(name_or_path)
     kwargs: dict = {"dtype": dtype}
     if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
+        kwargs.update(gguf_file=gguf_file, dtype=torch.float32)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
@@ -194,7 +197,28 @@ def load_target(
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     model.config._name_or_path = target_hub_id(name_or_path) or str(name_or_path)
+    if isinstance(dtype, torch.dtype) and model.dtype != dtype:  # a GGUF target is dequantized in fp32 first
+        cast_weights(model, dtype)
     return (model if device_map is not None or shard else model.to(device)).eval()
+
+
+def cast_weights(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """Cast `model`'s floating parameters and persistent buffers to `dtype`, in place, as loading it with
+    `from_pretrained(..., dtype=dtype)` would have.
+
+    `model.to(dtype)` would also cast non-persistent buffers such as RoPE's inverse frequencies, which transformers
+    keeps in fp32: in bf16 they lose enough precision to shift the rotation angles at a few hundred positions.
+    """
+    persistent = set(model.state_dict())
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    for prefix, module in model.named_modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer is not None and buffer.is_floating_point() and f"{prefix}.{name}".lstrip(".") in persistent:
+                setattr(module, name, buffer.to(dtype))
+    model.config.dtype = dtype
+    return model
 
 
 def _read_marker(folder: str) -> dict | None:

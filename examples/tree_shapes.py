@@ -5,8 +5,11 @@ decodes almost plainly. This runs the same prompts with a few *fixed* tree shape
 cycle drafts and verifies the whole tree) so the trade can be seen directly: tokens per cycle against tokens/s.
 Methods are interleaved per prompt after a warm-up; greedy outputs are compared with plain generate.
 
-Usage: python examples/tree_shapes.py [--target smollm2] [--draft DIR] [--threads 1] [--num-prompts 10]
-       [--max-new-tokens 64] [--shapes 2,3,4 3,4,8 4,4,12]     (each shape: depth,top_k,total_tokens)
+Everything runs at one precision (`--dtype auto`: bf16 where the CPU has native bf16 matmul, with prepacked weights;
+fp32 elsewhere) and thread count (default: all cores), the ones the cost model then sizes trees for.
+
+Usage: python examples/tree_shapes.py [--target smollm2] [--draft DIR] [--dtype auto] [--threads N]
+       [--num-prompts 10] [--max-new-tokens 64] [--shapes 2,3,4 3,4,8 4,4,12]   (each shape: depth,top_k,total_tokens)
 """
 
 import argparse
@@ -16,6 +19,8 @@ import torch
 
 from eagle3_hf.benchmark import read_prompts
 from eagle3_hf.hub import default_prompts_path, load_draft_for
+from eagle3_hf.modeling.packed_linear import prepack_linears
+from eagle3_hf.precision import DTYPE_CHOICES, default_threads, resolve_dtype, short_name
 from eagle3_hf.targets import load_target, load_tokenizer
 
 
@@ -31,15 +36,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--draft", default=None, help="draft folder (default: the shipped draft for the target)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--shapes", type=_shape, nargs="+", default=[_shape(s) for s in ("2,3,4", "3,4,8", "4,4,12")])
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    torch.set_num_threads(args.threads or default_threads())
+    dtype = resolve_dtype(args.dtype)
+    target = load_target(args.target, dtype=dtype)
     draft = load_draft_for(args.target, target, args.draft)
-    prompts = read_prompts(default_prompts_path(), load_tokenizer(args.target), args.num_prompts)
+    prepack_linears(target)  # a no-op unless bf16 on CPU
+    prepack_linears(draft)
+    prompts = read_prompts(default_prompts_path(), load_tokenizer(args.target), args.num_prompts, every=8)
     methods: dict[str, dict | None] = {"plain": None, "adaptive tree": {}}
     for s in args.shapes:
         methods[f"fixed d{s['tree_depth']} k{s['tree_top_k']} n{s['tree_total_tokens']}"] = s
@@ -68,7 +77,8 @@ def main() -> int:
                 s["same"] += int(new == reference)
                 s["cycles"] += cycles or 0
     plain_rate = stats["plain"]["tokens"] / stats["plain"]["seconds"]
-    print(f"{args.num_prompts} MT-bench prompts x {args.max_new_tokens} tokens, {args.threads} thread(s)")
+    print(f"{len(prompts)} MT-bench prompts x {args.max_new_tokens} tokens, {short_name(dtype)}, "
+          f"{torch.get_num_threads()} thread(s)")  # fmt: skip
     print(f"{'method':<18} {'tokens/s':>8} {'vs plain':>8} {'tokens/cycle':>12} {'identical':>9}")
     for name, s in stats.items():
         rate = s["tokens"] / s["seconds"]

@@ -5,7 +5,8 @@ verify forward over the n tree nodes. On a GPU t(n) stays near t(1) for n up to 
 memory-bound); on a small CPU it grows with n. This prints t(n) for a target at a realistic context length, and the
 tau that a tree of n nodes needs to break even and to reach 2.5x (ignoring draft time, so these are lower bounds).
 
-Usage: python examples/verify_cost.py [--target smollm2] [--context 300] [--threads 1]
+Usage: python examples/verify_cost.py [--target smollm2] [--context 300] [--threads 1] [--dtype float32]
+       (--dtype bfloat16 prepacks the weights for oneDNN, as `eagle3-hf bench` and `generate` do on CPU)
 """
 
 import argparse
@@ -15,6 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from eagle3_hf.modeling._compat import cache_kwargs
+from eagle3_hf.modeling.packed_linear import prepack_linears
+from eagle3_hf.precision import DTYPE_CHOICES, resolve_dtype
 from eagle3_hf.targets import load_target
 
 
@@ -24,9 +27,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="tokens already in the cache")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_target(args.target)
+    model = load_target(args.target, dtype=resolve_dtype(args.dtype))
+    prepack_linears(model)  # a no-op unless bf16 on CPU
     vocab = model.config.get_text_config().vocab_size
     with torch.no_grad():
         cache = DynamicCache()

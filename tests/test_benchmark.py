@@ -1,5 +1,6 @@
 """The benchmark's pure pieces, a tiny end-to-end benchmark run, and model-card rendering."""
 
+import copy
 import json
 
 import pytest
@@ -7,7 +8,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.benchmark import acceptance_by_depth, format_table, read_prompts, run_benchmark
+from eagle3_hf.benchmark import (
+    acceptance_by_depth,
+    bench_configs,
+    divergence,
+    format_markdown,
+    format_table,
+    read_prompts,
+    run_benchmark,
+)
 from eagle3_hf.model_card import format_rates
 
 
@@ -36,50 +45,118 @@ def test_read_prompts_formats_and_errors(tmp_path):
     prompts = read_prompts(str(path), _Template(), None)
     assert [p.shape[1] for p in prompts] == [2, 3, 1]
     assert len(read_prompts(str(path), _Template(), 2)) == 2
+    assert [p.shape[1] for p in read_prompts(str(path), _Template(), None, every=2)] == [2, 1]  # records 1 and 3
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        read_prompts(str(path), _Template(), None, every=0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a record with 'turns'"):
         read_prompts(str(bad), _Template(), None)
 
 
-def test_tiny_benchmark_reports_every_method():
+def _tiny_target(vocab=24):
     torch.manual_seed(0)
-    target = LlamaForCausalLM(
+    return LlamaForCausalLM(
         LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=24, eos_token_id=None, bos_token_id=None)
-    ).eval()
+                    num_key_value_heads=1, vocab_size=vocab, eos_token_id=None, bos_token_id=None)
+    ).eval()  # fmt: skip
+
+
+def test_configurations_list_plain_in_both_precisions_and_eagle3_at_the_speculative_one():
+    names = [c.name for c in bench_configs(torch.bfloat16)]
+    assert names == ["plain_fp32", "plain_bf16", "eagle3_chain_bf16", "eagle3_tree_bf16"]
+    names = [c.name for c in bench_configs(torch.float32, ("plain", "eagle3_tree", "prompt_lookup"))]
+    assert names == ["plain_fp32", "plain_bf16", "prompt_lookup_fp32", "eagle3_tree_fp32"]
+    # the speculative precision always has its own plain run, the same-precision baseline
+    names = [c.name for c in bench_configs(torch.float16, ("plain", "eagle3_tree"), plain_dtypes=(torch.float32,))]
+    assert names == ["plain_fp32", "plain_fp16", "eagle3_tree_fp16"]
+    with pytest.raises(ValueError, match=r"Unknown method\(s\) \['beam'\]"):
+        bench_configs(torch.float32, ("plain", "beam"))
+
+
+def test_tiny_benchmark_reports_every_configuration():
+    target = _tiny_target()
     draft = Eagle3DraftModel.from_target(target).eval()
     prompts = [torch.randint(3, 24, (1, 6)) for _ in range(2)]
-    report = run_benchmark(target, draft, prompts, max_new_tokens=12, tree_kwargs={"adaptive_tree": False})
-    assert set(report["tokens_per_s"]) == {"plain", "prompt_lookup", "eagle3_chain", "eagle3_tree"}
-    assert report["identical"] == 1.0  # greedy EAGLE-3 reproduces plain generate
-    assert report["tokens"]["eagle3_tree"] == report["tokens"]["plain"] == 24
+    configs = bench_configs(torch.float32, ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree"), (torch.float32,))
+    report = run_benchmark(
+        {torch.float32: target}, {torch.float32: draft}, prompts, configs, max_new_tokens=12,
+        tree_kwargs={"adaptive_tree": False}, repeats=2,
+    )  # fmt: skip
+    names = ["plain_fp32", "prompt_lookup_fp32", "eagle3_chain_fp32", "eagle3_tree_fp32"]
+    assert report["configurations"] == names and list(report["tokens_per_s"]) == names
+    assert all(len(report["tokens_per_s_by_repeat"][n]) == 2 for n in names)
+    for n in names:  # the median of two repeats is their mean
+        assert report["tokens_per_s"][n] == pytest.approx(sum(report["tokens_per_s_by_repeat"][n]) / 2)
+    assert report["fastest_plain"] == "plain_fp32"
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"]["eagle3_tree_fp32"] / report["tokens_per_s"]["plain_fp32"])
+    assert report["speedup_same_precision"] == pytest.approx(report["speedup"])  # one plain precision only
+    assert report["identical"] == 1.0 and report["identical_eagle3_chain"] == 1.0  # fp32 greedy is lossless
+    assert report["divergences"] == []
+    assert report["tokens"]["eagle3_tree_fp32"] == report["tokens"]["plain_fp32"] == 2 * 24
     assert report["tau"] >= 1.0 and len(report["acceptance_by_depth"]) == draft.config.tree_depth
     cycles = report["acceptance_by_depth_cycles"]
-    per_cycle = report["time_per_cycle_ms"]["eagle3_chain"]["tokens_per_cycle"]
-    assert cycles[0] == pytest.approx(report["tokens"]["eagle3_chain"] / per_cycle)  # every chain cycle drafts
+    per_cycle = report["time_per_cycle_ms"]["eagle3_chain_fp32"]["tokens_per_cycle"]
+    assert cycles[0] == pytest.approx(report["tokens"]["eagle3_chain_fp32"] / per_cycle)  # every chain cycle drafts
     assert all(a >= b for a, b in zip(cycles, cycles[1:]))
-    assert "tau (tree, incl. bonus, over drafted cycles)" in format_table(report)
+    table = format_table(report)
+    assert "tau (tree, incl. bonus, over drafted cycles)" in table and "(fastest plain)" in table
     assert report["drafted_cycle_share"] == 1.0  # adaptive_tree=False: every cycle verifies a drafted tree
-    # Where the time goes: only the EAGLE-3 methods have cycles; the parts add up to their measured time.
+    # Where the time goes: only the EAGLE-3 configurations have cycles; the parts add up to their measured time.
     breakdown = report["time_per_cycle_ms"]
-    assert set(breakdown) == {"eagle3_chain", "eagle3_tree"}
+    assert set(breakdown) == {"eagle3_chain_fp32", "eagle3_tree_fp32"}
     for m, b in breakdown.items():
         assert b["draft"] > 0 and b["verify"] > 0 and b["other"] >= 0
         cycles = report["tokens"][m] / b["tokens_per_cycle"]
-        total_ms = (b["draft"] + b["verify"] + b["other"]) * cycles + b["prefill_per_prompt"] * len(prompts)
+        total_ms = (b["draft"] + b["verify"] + b["other"]) * cycles + b["prefill_per_prompt"] * 2 * len(prompts)
         assert total_ms == pytest.approx(1000 * report["seconds"][m], rel=1e-6)
-    assert "eagle3_tree per cycle: draft" in format_table(report)
-    chain_only = run_benchmark(target, draft, prompts[:1], max_new_tokens=4, methods=("eagle3_chain",))
+    chain_only = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts[:1],
+                               bench_configs(torch.float32, ("eagle3_chain",)), max_new_tokens=4)  # fmt: skip
     row = format_table(chain_only).splitlines()[1].split()
-    assert row == ["eagle3_chain", f"{chain_only['tokens_per_s']['eagle3_chain']:.2f}", "-"]  # no plain: no ratio
+    assert row == ["eagle3_chain_fp32", f"{chain_only['tokens_per_s']['eagle3_chain_fp32']:.2f}", "-"]  # no plain
+    with pytest.raises(ValueError, match=r"No target or draft given for precision\(s\) \['torch.bfloat16'\]"):
+        run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts, bench_configs(torch.bfloat16))
+
+
+def test_a_forced_divergence_is_reported_with_the_fp32_margin():
+    target = _tiny_target(vocab=40)
+    prompt = torch.randint(3, 40, (1, 5))
+    reference = target.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt))
+    reference = reference[0, 5:].tolist()
+    # Force a divergence at token 3: the target's second choice there, then anything.
+    with torch.no_grad():
+        logits = target(torch.cat([prompt, torch.tensor([reference[:3]])], 1)).logits[0, -1]
+    top = logits.topk(2)
+    assert top.indices[0] == reference[3]
+    other = reference[:3] + [int(top.indices[1]), 7, 7]
+    d = divergence(target, prompt, reference, other, same_precision=target)
+    assert (d["position"], d["reference_token"], d["other_token"]) == (3, reference[3], int(top.indices[1]))
+    assert d["top2_margin"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-5)
+    assert d["token_gap"] == pytest.approx(d["top2_margin"], abs=1e-5) and d["token_gap"] > 0
+    assert d["token_gap_same_precision"] == pytest.approx(d["token_gap"], abs=1e-5)
+    assert d["fp32_choice"] == reference[3]
+    assert divergence(target, prompt, reference, list(reference)) is None
+    # one output stopping early is a divergence at its end, with no token to compare there
+    short = divergence(target, prompt, reference, reference[:6])
+    assert short["position"] == 6 and short["other_token"] is None and short["token_gap"] is None
+    # The benchmark reports each diverging run with its prompt and repeat.
+    from eagle3_hf.benchmark import ConfigResult, _add_divergences
+
+    results = {"plain_fp32": ConfigResult(outputs=[[reference, reference]]),
+               "eagle3_tree_fp32": ConfigResult(outputs=[[reference, other]])}  # fmt: skip
+    report = {}
+    _add_divergences(report, results, bench_configs(torch.float32, ("plain", "eagle3_tree"), (torch.float32,)),
+                     [prompt, prompt], {torch.float32: target})  # fmt: skip
+    assert report["identical"] == 0.5
+    assert [(x["prompt"], x["repeat"], x["position"]) for x in report["divergences"]] == [(1, 0, 3)]
+    assert "prompt 1 (repeat 0) diverges at token 3" in format_table({"tokens_per_s": {}, **report})
 
 
 def test_bench_command_lists_the_benchmark_methods():
-    from eagle3_hf.benchmark import METHODS
-    from eagle3_hf.commands.bench import METHODS as CHOICES
+    from eagle3_hf.benchmark import DEFAULT_METHODS, METHODS
+    from eagle3_hf.commands.bench import DEFAULT_METHODS as DEFAULTS, METHODS as CHOICES
 
-    assert CHOICES == METHODS
+    assert CHOICES == METHODS and DEFAULTS == DEFAULT_METHODS
 
 
 def test_hub_finds_the_shipped_draft_and_prompts():
@@ -91,3 +168,54 @@ def test_hub_finds_the_shipped_draft_and_prompts():
     assert os.path.isfile(default_prompts_path())
     with pytest.raises(ValueError, match="No draft is shipped for target 'gpt2'"):
         shipped_draft_path("gpt2")
+
+
+def test_bf16_flips_happen_only_at_near_ties():
+    # A target with large weights, decoded in bf16 with always-full trees: wide verify forwards round differently
+    # from one-token steps, so greedy EAGLE-3 output may leave plain bf16 decoding -- but only where the fp32 target
+    # nearly ties. In fp32 the same run is identical to plain decoding.
+    from eagle3_hf.bench_report import NEAR_TIE_ULPS
+    from eagle3_hf.targets import cast_weights
+
+    torch.manual_seed(5)
+    target = LlamaForCausalLM(
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, eos_token_id=None, bos_token_id=None,
+                    initializer_range=0.2)
+    ).eval()  # fmt: skip
+    low = cast_weights(copy.deepcopy(target), torch.bfloat16)
+    drafts = {torch.bfloat16: Eagle3DraftModel.from_target(low).eval(),
+              torch.float32: Eagle3DraftModel.from_target(target).eval()}  # fmt: skip
+    prompts = [torch.randint(3, 300, (1, 8)) for _ in range(4)]
+    targets = {torch.float32: target, torch.bfloat16: low}
+    reports = {
+        dtype: run_benchmark(targets, drafts, prompts, bench_configs(dtype, ("plain", "eagle3_tree"), plain_dtypes=()),
+                             max_new_tokens=24, tree_kwargs={"adaptive_tree": False}, warmup_tokens=2)
+        for dtype in (torch.float32, torch.bfloat16)
+    }  # fmt: skip
+    assert reports[torch.float32]["identical"] == 1.0 and reports[torch.float32]["divergences"] == []
+    flips = reports[torch.bfloat16]["divergences"]
+    assert len(flips) == round(4 * (1 - reports[torch.bfloat16]["identical"]))  # one report per differing output
+    assert all(0 <= d["margin_ulps"] < NEAR_TIE_ULPS for d in flips), flips
+
+
+def test_markdown_table_states_what_the_numbers_were_measured_on():
+    report = {
+        "tokens_per_s": {"plain_fp32": 20.0, "plain_bf16": 25.0, "eagle3_tree_bf16": 30.0},
+        "speedup_by_method": {"plain_fp32": 0.8, "plain_bf16": 1.0, "eagle3_tree_bf16": 1.2},
+        "fastest_plain": "plain_bf16", "speedup": 1.2, "speedup_same_precision": 1.2, "tau": 2.5,
+        "drafted_cycle_share": 0.5, "identical": 0.9,
+        "divergences": [{"margin_ulps": 0.6}, {"margin_ulps": 1.1}],
+        "environment": {"cpu": "Some Xeon", "machine": "x86_64", "cores": 2, "bf16_cpu_flags": ["amx_bf16"],
+                        "threads": 2, "torch": "2.13.0", "transformers": "5.24.0", "eagle3_hf": "0.1.0",
+                        "python": "3.11.9"},
+        "config": {"spec_dtype": "bf16", "prepacked": True, "num_prompts": 10, "max_new_tokens": 128,
+                   "repeats": 3, "prompts": "MT-bench turn 1, every 8th record"},
+    }  # fmt: skip
+    text = format_markdown(report)
+    assert "| `eagle3_tree_bf16` | 30.00 | 1.20x |" in text and "| `plain_fp32` | 20.00 | 0.80x |" in text
+    for fact in ("Some Xeon (x86_64, 2 cores; bf16 units: amx_bf16), 2 threads", "Speculative precision: bf16",
+                 "10 (MT-bench turn 1, every 8th record) x 128 new tokens", "3 repeats", "torch 2.13.0",
+                 "transformers 5.24.0", "eagle3_hf 0.1.0", "1.20x the fastest plain configuration (`plain_bf16`)",
+                 "top-2 margins of 0.60-1.10 ulp"):  # fmt: skip
+        assert fact in text, fact

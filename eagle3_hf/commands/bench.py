@@ -1,4 +1,4 @@
-"""`eagle3-hf bench`: plain, prompt-lookup and EAGLE-3 decoding side by side (`eagle3_hf.benchmark`)."""
+"""`eagle3-hf bench`: EAGLE-3 against the fastest plain configuration (`eagle3_hf.benchmark`)."""
 
 from __future__ import annotations
 
@@ -6,32 +6,38 @@ import json
 import os
 from typing import Any
 
+from eagle3_hf.precision import add_precision_arguments
+
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
 METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
+DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 
 
 def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
     parser.add_argument("--draft", default=None, help="draft folder (default: the draft shipped for the target)")
     parser.add_argument("--prompts", default=None, help="MT-bench question.jsonl, or JSONL with prompt/messages")
-    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--every", type=int, default=8, help="take every n-th prompt (8: all MT-bench categories)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts (default: all taken)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=3, help="runs over all prompts; tokens/s are their medians")
+    add_precision_arguments(parser, "speculative decoding")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steady on a busy machine)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma-separated subset of {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--tree-depth", type=int, default=None)
     parser.add_argument("--tree-top-k", type=int, default=None)
     parser.add_argument("--tree-total-tokens", type=int, default=None)
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--markdown", default=None, help="write the README numbers table (markdown) here")
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here (needs [plot])")
     parser.add_argument(
         "--model-card", action="store_true",
         help="rewrite the --draft folder's README.md (its model card) with the measurements",
     )  # fmt: skip
     parser.add_argument("--overwrite-output-dir", action="store_true",
-                        help="replace an existing --json or --plot file")  # fmt: skip
+                        help="replace an existing --json, --markdown or --plot file")  # fmt: skip
 
 
 def _check_options(args: Any) -> tuple[str, ...]:
@@ -45,15 +51,15 @@ def _check_options(args: Any) -> tuple[str, ...]:
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}.")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                        ("--threads", args.threads)):  # fmt: skip
-        if value < 1:
+                        ("--threads", args.threads), ("--every", args.every), ("--repeats", args.repeats)):  # fmt: skip
+        if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError as err:
             raise ValueError("--plot needs matplotlib: pip install 'eagle3-hf[plot]' (or matplotlib).") from err
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if path:
             check_output_file(path, args.overwrite_output_dir, flag)
     if args.model_card and (not args.draft or args.draft == "random"):
@@ -67,20 +73,30 @@ def run_cli(args: Any) -> int:
     methods = _check_options(args)
     import torch
 
-    from eagle3_hf.benchmark import environment, format_table, plot_acceptance, read_prompts, run_benchmark
-    from eagle3_hf.hub import default_prompts_path, load_draft_for
+    from eagle3_hf.benchmark import (
+        bench_configs,
+        environment,
+        format_markdown,
+        format_table,
+        load_models,
+        plot_acceptance,
+        read_prompts,
+        run_benchmark,
+    )
+    from eagle3_hf.hub import default_prompts_path
     from eagle3_hf.model_card import write_bench_card
     from eagle3_hf.outputs import staged_file
-    from eagle3_hf.targets import check_device, load_target, load_tokenizer
+    from eagle3_hf.precision import default_threads, resolve_dtype, short_name
+    from eagle3_hf.targets import check_device, load_tokenizer, resolve_target
 
     check_device(args.device)
+    resolve_target(args.target)  # a bad name or path fails here, at once
+    torch.set_num_threads(args.threads or default_threads())
+    spec_dtype = resolve_dtype(args.dtype, args.device)
+    configs = bench_configs(spec_dtype, methods)
+    targets, drafts, prepacked = load_models(args, spec_dtype, {c.dtype for c in configs})
     prompts_path = args.prompts or default_prompts_path()
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    target = load_target(args.target, dtype=dtype, device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    draft = load_draft_for(args.target, target, args.draft)
-    prompts = read_prompts(prompts_path, tokenizer, args.num_prompts)
+    prompts = read_prompts(prompts_path, load_tokenizer(args.target), args.num_prompts, args.every)
     tree_kwargs = {
         k: v
         for k, v in {
@@ -88,24 +104,32 @@ def run_cli(args: Any) -> int:
         }.items()
         if v is not None
     }
-    report = run_benchmark(target, draft, prompts, args.max_new_tokens, args.temperature, tree_kwargs, methods)
+    report = run_benchmark(
+        targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats
+    )
+    source = "MT-bench turn 1" if args.prompts is None else os.path.basename(prompts_path)
     report["config"] = {
-        "target": args.target, "draft": args.draft or "(shipped)", "dtype": args.dtype, "device": args.device,
-        "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        **tree_kwargs,
-    }
+        "target": args.target, "draft": args.draft or "(shipped)", "dtype": str(spec_dtype).removeprefix("torch."),
+        "spec_dtype": short_name(spec_dtype), "prepacked": prepacked, "device": args.device,
+        "prompts": f"{source}, every {args.every}th record" if args.every > 1 else f"{source}, all records",
+        "every": args.every, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "temperature": args.temperature, **tree_kwargs,
+    }  # fmt: skip
     report["environment"] = environment()
     print(format_table(report))
     if args.json:
         with staged_file(args.json) as temporary, open(temporary, "w") as f:
             json.dump(report, f, indent=2)
+    if args.markdown:
+        with staged_file(args.markdown) as temporary, open(temporary, "w") as f:
+            f.write(format_markdown(report) + "\n")
     if args.plot and "acceptance_by_depth" in report:
         with staged_file(args.plot) as temporary:
             plot_acceptance(report, temporary, fmt="png")
     if args.model_card:
-        shown = ("target", "draft", "num_prompts", "max_new_tokens", "dtype")
+        shown = ("target", "draft", "every", "num_prompts", "max_new_tokens", "repeats")
         command = "eagle3-hf bench " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown
-        )
+        ) + f" --dtype {args.dtype}"
         print(f"Model card written to {write_bench_card(args.draft, report, bench_command=command)}")
     return 0

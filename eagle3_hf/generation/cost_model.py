@@ -6,11 +6,15 @@ optimisation: verify the n best nodes maximising
 
     (1 + calibration * sum_{i<n} p_i) / (draft_cost + verify_cost(n + 1))
 
-where draft_cost is what the cycle's drafting actually took; before drafting, the draft is consulted only when
-its most likely token could pay for a draft step (`worth_drafting`). The
+where draft_cost is what the cycle's drafting actually took; a tree is started only when verifying some of the
+draft's best next tokens beats a plain step (`worth_drafting`), and grown a level only when that level's best
+node pays for its draft step (`worth_deeper`). The
 calibration factor (measured accepted / predicted accepted) corrects drafts that are over- or
-under-confident, so a poor draft quickly costs next to nothing: after each cycle where drafting
-did not pay, the draft is not even consulted for a growing number of tokens (exponential backoff).
+under-confident. Consulting the draft costs a draft step even when it then declines, so a poor draft would still
+cost a few percent: each consultation is scored by the tokens it gained over plain decoding in the same time
+(negative for a declined one), and while the recent consultations together lose, the draft is not even consulted
+for a growing number of tokens (exponential backoff). A useful draft that declines at unsure tokens keeps being
+consulted, because its drafted cycles win more than its declines cost.
 """
 
 from __future__ import annotations
@@ -58,12 +62,25 @@ class LinearCost:
         return a + b * n
 
 
+# Priors before a call has measured anything, per (device type, dtype): verify cost a + b*n relative to one token
+# (a = 1) and one draft level relative to one token. Measured with a ~135M-parameter target and its one-layer draft
+# (examples/verify_cost.py, examples/draft_step_cost.py): on a CPU with bf16 matmul units, verifying 32 tokens
+# costs ~1.5x one token in bf16 but ~3x in fp32; on a GPU a few dozen tokens cost about one. They only shape the
+# first cycles and the slope while every cycle verifies one size: measured times replace them.
+_PRIORS: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    ("cpu", torch.float32): (1.0 / 15, 0.10),
+    ("cpu", torch.bfloat16): (1.0 / 60, 0.05),
+    ("cpu", torch.float16): (1.0 / 15, 0.10),
+}
+_GPU_PRIOR = (1.0 / 200, 0.10)
+
+
 @dataclass
 class CycleCostModel:
     """Per-call scheduler state. Costs are in seconds; only their ratios matter.
 
-    Priors (before measurements arrive) follow a 2-core CPU running a ~100M-parameter target:
-    verifying 16 tokens costs ~1.5x one token, one draft step ~15% of a target step.
+    The default priors (before measurements arrive) are a middle ground: verifying 16 tokens costs ~1.5x one token,
+    one draft step ~15% of a target step; `for_device` gives the ones measured for a device and precision.
     """
 
     verify: LinearCost = field(default_factory=lambda: LinearCost(prior_a=1.0, prior_b=1.0 / 30))
@@ -74,6 +91,16 @@ class CycleCostModel:
     backoff: int = 0  # tokens to decode plainly before consulting the draft again
     next_backoff: int = 1
     max_backoff: int = 32
+    # net tokens over plain decoding of the recent consultations (see `after_consultation`)
+    consultations: deque = field(default_factory=lambda: deque(maxlen=16))
+
+    @classmethod
+    def for_device(cls, device_type: str, dtype: torch.dtype) -> CycleCostModel:
+        """A cost model whose priors fit verifying in `dtype` on a `device_type` ("cpu", "cuda", ...) device."""
+        slope, draft = _PRIORS.get((device_type, dtype), _GPU_PRIOR if device_type != "cpu" else (1.0 / 30, 0.15))
+        return cls(
+            verify=LinearCost(prior_a=1.0, prior_b=slope), draft_step=LinearCost(prior_a=draft, prior_b=0.0)
+        )
 
     @property
     def calibration(self) -> float:
@@ -86,11 +113,15 @@ class CycleCostModel:
     def plain_rate(self) -> float:
         return 1.0 / self.verify(1)
 
-    def worth_drafting(self, top_probability: float) -> bool:
-        """Whether even the single most likely draft token pays for a draft step and a wider verify."""
-        gain = self.calibration * top_probability
-        rate = (1.0 + gain) / (self.draft_step(1) + self.verify(2))
-        return rate > self.plain_rate()
+    def worth_drafting(self, top_probabilities: torch.Tensor | float) -> bool:
+        """Whether verifying some of the draft's best next tokens (`top_probabilities`, most likely first) beats a
+        plain step. Those depth-1 candidates come from the draft output already computed, so they cost only the wider
+        verify; deeper levels must pay for their draft steps themselves (`worth_deeper`)."""
+        probs = torch.as_tensor(top_probabilities, dtype=torch.float64).flatten().cpu()
+        gains = self.calibration * torch.cumsum(probs, 0)  # verifying the best m candidates, m = 1..k
+        a, b = self.verify.coefficients()
+        nodes = torch.arange(2, probs.numel() + 2, dtype=torch.float64)  # root + m
+        return bool(((1.0 + gains) / (a + b * nodes)).max() > self.plain_rate())
 
     def worth_deeper(self, best_path_probability: float, nodes_so_far: int) -> bool:
         """Whether one more draft level can pay: its best node must be worth more than a draft step."""
@@ -109,9 +140,12 @@ class CycleCostModel:
         best = int(torch.argmax(rates))
         return best, float(probs[:best].sum())
 
-    def after_cycle(self, drafted: bool, paid_off: bool) -> None:
-        """Exponential backoff of draft consultations while drafting does not pay."""
-        if drafted and paid_off:
+    def after_consultation(self, net_tokens: float) -> None:
+        """Score a consultation -- tokens it produced minus what plain decoding would have produced in the same time
+        (`(accepted + 1) - seconds * plain_rate()` for a drafted cycle, `-draft_seconds * plain_rate()` for a
+        declined one) -- and back off exponentially while the recent consultations together lose."""
+        self.consultations.append(net_tokens)
+        if sum(self.consultations) >= 0.0:
             self.next_backoff = 1
             self.backoff = 0
         else:

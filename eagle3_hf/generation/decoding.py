@@ -31,6 +31,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget, crop_cache
 from eagle3_hf.generation.steps import (
     DecodeRun,
@@ -233,6 +234,7 @@ def eagle3_decoding(
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0, adaptive_tree=adaptive_tree,
         streamer=eagle3_streamer, output_scores=return_dict and bool(generation_config.output_scores),
         output_logits=return_dict and bool(generation_config.output_logits),
+        cost=CycleCostModel.for_device(model.device.type, model.dtype),
     )  # fmt: skip
 
     prefill(run)

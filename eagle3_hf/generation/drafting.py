@@ -3,11 +3,11 @@
 Position bookkeeping (P = number of tokens in the target cache, root = the last verified token,
 which sits at target position P and is not yet in the target cache):
 
-* the draft cache holds pairs (target feature h_t, token x_{t+1}) for t < P - pending, at draft
+* the draft's KV buffer (`DraftKV`) holds pairs (target feature h_t, token x_{t+1}) for t < P - pending, at draft
   position t; its last output (at position P-1) predicts the token after the root;
-* tree nodes at depth d >= 1 are fed to the draft at position P + d - 1 with their parent's
-  draft output as `hidden_states`; they are appended to the draft cache while the tree grows
-  and cropped away afterwards (only verified pairs stay).
+* tree nodes at depth d >= 1 are fed to the draft at position P + d - 1 with their parent's draft output as
+  hidden state; their keys/values go to the buffer's slots after the verified ones, which the next tree
+  overwrites (only verified pairs count towards its length).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
-from eagle3_hf.generation.tree import DraftTree, expand_topk, rerank, sample_children, select_frontier
+from eagle3_hf.generation.draft_step import DraftKV, causal_block, draft_forward
+from eagle3_hf.generation.tree import DraftTree, rerank, sample_children
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
@@ -32,16 +33,20 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 
 @dataclass
 class DraftState:
-    """Per-call state of the draft: its cache and the output at the last verified position."""
+    """Per-call state of the draft: its KV buffer and the output at the last verified position."""
 
-    cache: DynamicCache
-    length: int = 0  # positions held by the draft cache
+    kv: DraftKV | None = None  # created on first use, in the draft's dtype
     forward_calls: int = 0  # draft forwards run so far (the cost model times them)
     last_hidden: torch.Tensor | None = None  # [1, 1, H] draft state at position length-1
     last_logits: torch.Tensor | None = None  # [Vd] draft logits at position length-1
     # Verified (feature, next token) pairs not yet run through the draft (drafting was skipped).
     pending_features: list[torch.Tensor] = field(default_factory=list)  # each [1, n, 3Ht]
     pending_tokens: list[torch.Tensor] = field(default_factory=list)  # each [1, n]
+
+    @property
+    def length(self) -> int:
+        """Verified positions held by the draft's KV buffer."""
+        return 0 if self.kv is None else self.kv.length
 
     def add_verified(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self.pending_features.append(features)
@@ -53,34 +58,31 @@ def flush_pending(draft: Eagle3DraftModel, state: DraftState) -> None:
     """Run the draft over all pending verified pairs in one forward; refresh its last output."""
     if not state.pending_tokens:
         return
+    if state.kv is None:
+        state.kv = DraftKV.for_draft(draft)
     features = torch.cat(state.pending_features, dim=1)
     tokens = torch.cat(state.pending_tokens, dim=1)
     state.pending_features.clear()
     state.pending_tokens.clear()
-    n = tokens.shape[1]
-    positions = torch.arange(state.length, state.length + n, device=tokens.device)[None]
+    n, start = tokens.shape[1], state.kv.length
+    hidden = draft.fuse(features.to(draft.fc.weight.dtype))
+    mask = causal_block(start, n, hidden.dtype, hidden.device) if n > 1 else None
+    positions = torch.arange(start, start + n, device=tokens.device)
     state.forward_calls += 1
-    out = draft(
-        input_ids=tokens,
-        target_hidden_states=features.to(draft.fc.weight.dtype),
-        position_ids=positions,
-        cache=state.cache,
-        logits_to_keep=1,
-    )
-    state.length += n
-    state.last_hidden = out.last_hidden_state[:, -1:]
-    state.last_logits = out.logits[0, -1]
+    logits, out = draft_forward(draft, state.kv, tokens, hidden, positions, start, mask, logits_to_keep=1)
+    state.kv.length += n
+    state.last_hidden = out[:, -1:]
+    state.last_logits = logits[-1]
 
 
-def _tree_step_mask(
-    ancestors: torch.Tensor, prefix_length: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Mask `[1, 1, k, prefix + fed]` for k frontier nodes: whole prefix + their fed ancestors and themselves."""
-    k = ancestors.shape[0]
-    allowed = torch.cat(
-        [torch.ones(k, prefix_length, dtype=torch.bool, device=ancestors.device), ancestors], dim=1
-    )
-    return additive_mask(allowed[None, None], dtype)
+def top_children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best draft ids of each row of `logits` `[n, Vd]` and their log-probabilities (fp32), `([n, k], [n, k])`.
+
+    One fused log-softmax (computed in fp32 from the bf16 logits without a separate cast) and one top-k: on CPU a
+    top-k over the raw logits plus a logsumexp for the chosen values measured no faster, in more ops.
+    """
+    values, ids = torch.log_softmax(logits, dim=-1, dtype=torch.float32).topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, values
 
 
 @dataclass
@@ -96,55 +98,60 @@ class TreeBudget:
 def build_greedy_tree(
     draft: Eagle3DraftModel, state: DraftState, root_token: int, budget: TreeBudget
 ) -> DraftTree:
-    """EAGLE-2 dynamic tree: top-k expansion by cumulative draft log-probability, then global rerank."""
+    """EAGLE-2 dynamic tree: top-k expansion by cumulative draft log-probability, then global rerank.
+
+    Level by level, the `top_k` best frontier nodes are fed to the draft together (one forward per level) at the
+    position after their parent, each attending to the verified prefix, its own ancestors and itself.
+    """
     device = state.last_logits.device
     k = budget.top_k
-    logp = torch.log_softmax(state.last_logits.float(), dim=-1)
-    cand_scores, cand_ids = logp.topk(min(k, logp.numel()))  # depth-1 candidates
-    all_scores = [cand_scores]
-    all_ids = [cand_ids]
-    all_parents = [torch.full_like(cand_ids, -1)]
-    # frontier: candidate indices (into the flat candidate list), their hidden inputs and tokens
+    prefix = state.length
+    cand_ids, cand_scores = top_children(state.last_logits[None], k)  # depth-1 candidates, [1, k] each
+    cand_ids, cand_scores = cand_ids[0], cand_scores[0]
+    all_scores, all_ids, all_parents = [cand_scores], [cand_ids], [torch.full_like(cand_ids, -1)]
+    # frontier: candidate indices (into the flat candidate list), their scores, hidden inputs and draft ids
     frontier = torch.arange(cand_ids.numel(), device=device)
-    frontier_scores = cand_scores
+    frontier_scores, frontier_ids = cand_scores, cand_ids
     frontier_hidden = state.last_hidden.expand(1, cand_ids.numel(), -1)
-    ancestors = torch.zeros(cand_ids.numel(), 0, dtype=torch.bool, device=device)  # over fed nodes
-    flat_ids = cand_ids
-    flat_count = cand_ids.numel()
-    fed = 0
+    dtype = frontier_hidden.dtype
+    # Additive mask over [prefix | fed tree nodes]; the prefix columns stay 0, the tree block is rewritten per level.
+    mask = torch.zeros(k, prefix + k * max(budget.depth - 1, 1), dtype=dtype, device=device)
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    ancestors = torch.zeros(cand_ids.numel(), 0, dtype=torch.bool, device=device)  # [kf, fed]: over fed nodes
+    # RoPE for every level at once: the nodes of level l all sit at position prefix + l - 1.
+    cos, sin = draft.rotary_emb(frontier_hidden, torch.arange(prefix, prefix + budget.depth, device=device)[None])
+    flat_count, fed = cand_ids.numel(), 0
     for level in range(1, budget.depth):
         if budget.grow is not None and not budget.grow(frontier_scores.max().exp().item(), flat_count):
             break
         kf = frontier.numel()
         ancestors = torch.cat([ancestors, torch.eye(kf, dtype=torch.bool, device=device)], dim=1)
-        tokens = draft.draft_to_target_ids(flat_ids[frontier])[None]
-        positions = torch.full((1, kf), state.length + level - 1, device=device)
+        level_mask = mask[:kf, : prefix + fed + kf]
+        level_mask[:, prefix:] = torch.where(ancestors, zero, blocked)
         state.forward_calls += 1
-        out = draft(
-            input_ids=tokens,
-            hidden_states=frontier_hidden,
-            position_ids=positions,
-            attention_mask=_tree_step_mask(ancestors, state.length, frontier_hidden.dtype),
-            cache=state.cache,
-        )
+        logits, hidden = draft_forward(
+            draft, state.kv, draft.draft_to_target_ids(frontier_ids)[None], frontier_hidden,
+            torch.full((kf,), prefix + level - 1, device=device), prefix + fed, level_mask,
+            rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
+        )  # fmt: skip
         fed += kf
-        step_logp = torch.log_softmax(out.logits[0].float(), dim=-1)  # [kf, Vd]
-        child_ids, child_scores = expand_topk(frontier_scores, step_logp, k)  # [kf, k] each
+        child_ids, child_logp = top_children(logits, k)  # [kf, k] each
+        child_scores = frontier_scores[:, None] + child_logp
         all_scores.append(child_scores.reshape(-1))
         all_ids.append(child_ids.reshape(-1))
         all_parents.append(frontier[:, None].expand_as(child_ids).reshape(-1))
-        best, rows = select_frontier(child_scores, k)
+        best = child_scores.reshape(-1).topk(min(k, child_scores.numel())).indices  # the next frontier
+        rows = torch.div(best, child_ids.shape[1], rounding_mode="floor")
         frontier = flat_count + best
         flat_count += child_ids.numel()
-        flat_ids = torch.cat([flat_ids, child_ids.reshape(-1)])
         frontier_scores = child_scores.reshape(-1)[best]
-        frontier_hidden = out.last_hidden_state[:, rows]
+        frontier_ids = child_ids.reshape(-1)[best]
+        frontier_hidden = hidden[:, rows]
         ancestors = ancestors[rows]
-    crop_cache(state.cache, state.length)
     scores = torch.cat(all_scores)
-    parents = torch.cat(all_parents)
-    kept, tree_parents = rerank(scores, parents, budget.total_tokens)
-    target_ids = draft.draft_to_target_ids(flat_ids[kept])
+    kept, tree_parents = rerank(scores, torch.cat(all_parents), budget.total_tokens)
+    target_ids = draft.draft_to_target_ids(torch.cat(all_ids)[kept])
     root = torch.tensor([root_token], device=device, dtype=target_ids.dtype)
     return DraftTree.from_parents(
         tokens=torch.cat([root, target_ids]),
@@ -218,16 +225,17 @@ def build_sampled_tree(
             anc[row, fed_before + row] = True
         for row, node in enumerate(frontier):
             fed_index[node] = fed_before + row
+        dtype = state.last_hidden.dtype
+        mask = torch.zeros(kf, state.length + fed_before + kf, dtype=dtype, device=device)
+        mask[:, state.length :].masked_fill_(~anc, torch.finfo(dtype).min)
         state.forward_calls += 1
-        out = draft(
-            input_ids=torch.cat([tokens[n] for n in frontier])[None],
-            hidden_states=torch.stack([hidden_of[n] for n in frontier])[None],
-            position_ids=torch.full((1, kf), state.length + level - 1, device=device),
-            attention_mask=_tree_step_mask(anc, state.length, state.last_hidden.dtype),
-            cache=state.cache,
-        )
-        q_levels = torch.softmax(out.logits[0].float() / temperature, dim=-1)  # [kf, Vd]
-        q_full = draft_probs_over_target(out.logits[0])
+        logits, hidden = draft_forward(
+            draft, state.kv, torch.cat([tokens[n] for n in frontier])[None],
+            torch.stack([hidden_of[n] for n in frontier])[None],
+            torch.full((kf,), state.length + level - 1, device=device), state.length + fed_before, mask,
+        )  # fmt: skip
+        q_levels = torch.softmax(logits.float() / temperature, dim=-1)  # [kf, Vd]
+        q_full = draft_probs_over_target(logits)
         next_level: list[int] = []
         for row, node in enumerate(frontier):
             if remaining <= 0:
@@ -237,10 +245,9 @@ def build_sampled_tree(
             children = add_children(node, q_levels[row], count)
             remaining -= len(children)
             for c in children:
-                hidden_of[c] = out.last_hidden_state[0, row]
+                hidden_of[c] = hidden[0, row]
             next_level.extend(children)
         level_nodes = next_level
-    crop_cache(state.cache, state.length)
     n_nodes = len(parents)
     draft_probs = torch.zeros(n_nodes, vocab, device=device)
     for node, row in q_rows.items():

@@ -58,7 +58,7 @@ class DecodeRun:
     output_scores: bool = False
     output_logits: bool = False
     cost: CycleCostModel = field(default_factory=CycleCostModel)
-    state: DraftState = field(default_factory=lambda: DraftState(cache=DynamicCache()))
+    state: DraftState = field(default_factory=DraftState)
     scores: tuple[torch.Tensor, ...] = ()
     raw_logits: tuple[torch.Tensor, ...] = ()
     accept_lengths: list[int] = field(default_factory=list)
@@ -142,8 +142,10 @@ def draft_tree(run: DecodeRun, root: int) -> DraftPlan:
         flush_pending(run.draft, state)  # verified pairs since the last consultation; not a draft step
         t_tree = time.perf_counter()
         calls_before = state.forward_calls
-        top_p = float(torch.softmax(state.last_logits.float() / run.temperature, dim=-1).max())
-        if not run.adaptive_tree or cost.worth_drafting(top_p):
+        # the draft's best next tokens: the depth-1 candidates a tree would start from
+        probs = torch.softmax(state.last_logits.float() / run.temperature, dim=-1)
+        top = probs.topk(min(budget.top_k, probs.numel())).values
+        if not run.adaptive_tree or cost.worth_drafting(top):
             budget.grow = cost.worth_deeper if run.adaptive_tree else None
             if run.do_sample:
                 plan.tree = build_sampled_tree(run.draft, state, root, budget, run.temperature)
@@ -222,10 +224,10 @@ def record_cycle(run: DecodeRun, plan: DraftPlan, n_nodes: int, accepted: int, v
     run.tree_sizes.append(n_nodes)
     if n_nodes > 1:
         cost.record_cycle(plan.predicted, accepted)
-        rate = (accepted + 1) / max(verify_s + plan.seconds, 1e-9)
-        cost.after_cycle(True, rate > cost.plain_rate())
-    elif plan.consulted and run.adaptive_tree:  # the draft was asked and drafting did not pay: back off
-        cost.after_cycle(False, False)
+    if plan.consulted and run.adaptive_tree:
+        # tokens gained over plain decoding in the same time: a declined consultation only cost its draft time
+        spent = plan.seconds + (verify_s if n_nodes > 1 else 0.0)
+        cost.after_consultation((accepted + 1 if n_nodes > 1 else 0) - spent * cost.plain_rate())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,13 +254,18 @@ def editable_cache(cache: Any) -> DynamicCache:
 
 
 def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
-    """Move entries `start + keep` to `start, start+1, ...` and drop the rest (the accepted path of a tree)."""
+    """Move entries `start + keep` to `start, start+1, ...` and drop the rest (the accepted path of a tree).
+
+    Entries already in place (a root-only cycle, or a path along the first nodes) are not copied, and nothing is
+    cropped when nothing follows them: per layer that is four tensor ops saved on every plain step."""
     n = keep.numel()
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-            layer.keys[..., start : start + n, :] = layer.keys[..., start + keep, :]
-            layer.values[..., start : start + n, :] = layer.values[..., start + keep, :]
-    crop_cache(cache, start + n)
+    if keep.tolist() != list(range(n)):
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+                layer.keys[..., start : start + n, :] = layer.keys[..., start + keep, :]
+                layer.values[..., start : start + n, :] = layer.values[..., start + keep, :]
+    if cache.get_seq_length() > start + n:
+        crop_cache(cache, start + n)
 
 
 def _target_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:

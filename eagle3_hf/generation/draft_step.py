@@ -1,0 +1,124 @@
+"""The draft's forward at decoding time: its one layer over a preallocated KV buffer, in few tensor ops.
+
+`Eagle3DraftModel.forward` is the general entry point (training, any cache, 2D or 4D masks). Drafting a tree calls
+the draft once per level on a handful of rows, where per-call overheads cost as much as the matmuls: a
+`DynamicCache` concatenates its whole history on every update and is cropped again after each tree, the attention
+module goes through transformers' dispatch, and the mask is rebuilt in full. `draft_forward` computes the same
+function (the layer's own norms, projections and MLP, `qkv` for the rotation) with keys and values written into a
+`DraftKV` buffer at chosen slots: slots past `length` hold a tree's nodes and are simply overwritten by the next tree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+
+__all__ = ["DraftKV", "draft_forward"]
+
+
+class DraftKV:
+    """Keys and values of the draft's layer, `[1, kv_heads, capacity, head_dim]`, grown by doubling.
+
+    Slots `[0, length)` hold verified positions; anything after them is scratch space for the tree being drafted.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 512):
+        self.keys = torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    @classmethod
+    def for_draft(cls, draft: Eagle3DraftModel, capacity: int = 512) -> DraftKV:
+        attn = draft.midlayer.self_attn
+        weight = draft.lm_head.weight
+        kv_heads = draft.config.num_key_value_heads or draft.config.num_attention_heads
+        return cls(kv_heads, attn.head_dim, weight.dtype, weight.device, capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `[1, kv_heads, S, d]` keys/values at slots `[slot, slot + S)`; return every key/value up to there."""
+        end = slot + keys.shape[2]
+        capacity = self.capacity
+        if end > capacity:
+            grown = max(end, 2 * capacity)
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_zeros(*old.shape[:2], grown, old.shape[3])
+                new[:, :, :capacity] = old
+                setattr(self, name, new)
+        self.keys[:, :, slot:end] = keys
+        self.values[:, :, slot:end] = values
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+def causal_block(prefix: int, seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask `[seq, prefix + seq]`: every query sees the prefix and the new positions up to its own."""
+    allowed = torch.ones(seq, prefix + seq, dtype=torch.bool, device=device).tril(diagonal=prefix)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """GQA attention of q `[1, h, S, d]` over keys/values `[1, kv, L, d]` without repeating them: the `g = h / kv`
+    query heads that share a kv head are stacked along the query axis (`[1, kv, g*S, d]`). Returns `[1, h, S, d]`."""
+    _, heads, seq, dim = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    q = q.reshape(1, kv_heads, groups * seq, dim)
+    if mask is not None and groups > 1:
+        mask = mask.repeat(groups, 1)  # [g*S, L]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    else:  # Gemma-style logit soft-capping, which the fused kernel has no option for
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores + mask
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype), values)
+    return out.reshape(1, heads, seq, dim)
+
+
+def draft_forward(
+    draft: Eagle3DraftModel,
+    kv: DraftKV,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    slot: int,
+    mask: torch.Tensor | None,
+    logits_to_keep: int = 0,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft step over `S` rows at batch size 1, as `Eagle3DraftModel.forward` computes it.
+
+    Args:
+        input_ids: `[1, S]` the tokens that follow each hidden state.
+        hidden: `[1, S, H]` fused target features (`draft.fuse(...)`) or the draft's fed-back state.
+        positions: `[S]` RoPE positions (the nodes of one tree level share one).
+        slot: where in `kv` the S new keys/values go; each row attends to slots `[0, slot + S)` under `mask`.
+        mask: additive `[S, slot + S]` in `hidden`'s dtype, or None to attend to every slot.
+        logits_to_keep: if > 0, logits for the last that many rows only.
+        rotary: RoPE (cos, sin) `[1, S or 1, d]` for `positions`, when the caller has them already (a tree's
+            levels take theirs from one table); computed from `positions` otherwise.
+
+    Returns:
+        (logits `[S', draft_vocab]`, the state to feed back `[1, S, H]`).
+    """
+    layer = draft.midlayer
+    attn = layer.self_attn
+    embeds = draft.embed_tokens(input_ids).to(hidden.dtype)
+    x, residual = layer.layer_input(embeds, hidden)  # [1, S, 2H], [1, S, H]
+    q, k, v = layer.qkv(x, rotary or draft.rotary_emb(hidden, positions[None]))  # [1, h, S, d], [1, kv, S, d] x2
+    keys, values = kv.write(slot, k, v)
+    out = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
+    out = layer.finish(residual, attn.o_proj(out.transpose(1, 2).reshape(1, q.shape[2], -1)))
+    normed = draft.norm(out)
+    rows = normed[0, -logits_to_keep:] if logits_to_keep > 0 else normed[0]
+    return draft.lm_head(rows), normed if draft.config.norm_output else out

@@ -1,0 +1,102 @@
+"""The decoding-time draft forward (`draft_forward` over a `DraftKV` buffer) against `Eagle3DraftModel.forward`."""
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    MistralConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.generation.draft_step import DraftKV, causal_block, draft_forward
+from eagle3_hf.generation.drafting import top_children
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=200)  # fmt: skip
+TARGETS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
+    "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SHAPE)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**SHAPE, head_dim=16, query_pre_attn_scalar=16)),
+}
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [("llama", {}), ("qwen3-qk-norm", {}), ("mistral", {}), ("gemma3", {}),
+     ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True))],
+    ids=["llama", "qwen3-qk-norm", "mistral", "gemma3", "llama-eagle3.1-flags"],
+)  # fmt: skip
+def test_draft_forward_matches_the_model_forward(family, overrides):
+    torch.manual_seed(0)
+    target = TARGETS[family]().eval()
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=50, **overrides).eval()
+    ids = torch.randint(3, 200, (1, 7))
+    with torch.no_grad():
+        features = draft.target_features(target(ids, output_hidden_states=True).hidden_states)
+        # the verified prefix: 7 positions, causal
+        ref = draft(ids, target_hidden_states=features, use_cache=True)
+        kv = DraftKV.for_draft(draft, capacity=4)  # too small on purpose: the buffer must grow
+        logits, hidden = draft_forward(
+            draft, kv, ids, draft.fuse(features), torch.arange(7), 0, causal_block(0, 7, torch.float32, ids.device)
+        )
+        torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(hidden, ref.last_hidden_state, rtol=1e-4, atol=1e-5)
+        kv.length = 7
+        # two tree levels at position 7 and 8: three nodes fed back from the last state, then two children of
+        # nodes 0 and 2, each seeing the prefix, its ancestors and itself (the model forward gets the same 4D mask)
+        level1 = torch.randint(3, 200, (1, 3))
+        allowed1 = torch.cat([torch.ones(3, 7, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], dim=1)
+        ref1 = draft(level1, hidden_states=ref.last_hidden_state[:, -1:].expand(1, 3, -1),
+                     position_ids=torch.full((1, 3), 7), attention_mask=allowed1[None, None], cache=ref.cache)  # fmt: skip
+        logits1, hidden1 = draft_forward(
+            draft, kv, level1, hidden[:, -1:].expand(1, 3, -1), torch.full((3,), 7), 7, _additive(allowed1)
+        )
+        torch.testing.assert_close(logits1, ref1.logits[0], rtol=1e-4, atol=1e-5)
+        level2 = torch.randint(3, 200, (1, 2))
+        tree2 = torch.tensor([[1, 0, 0, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)  # [nodes 0..2 | new 0..1]
+        allowed2 = torch.cat([torch.ones(2, 7, dtype=torch.bool), tree2], dim=1)
+        ref2 = draft(level2, hidden_states=ref1.last_hidden_state[:, [0, 2]], position_ids=torch.full((1, 2), 8),
+                     attention_mask=allowed2[None, None], cache=ref1.cache)  # fmt: skip
+        logits2, hidden2 = draft_forward(
+            draft, kv, level2, hidden1[:, [0, 2]], torch.full((2,), 8), 10, _additive(allowed2)
+        )
+        torch.testing.assert_close(logits2, ref2.logits[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(hidden2, ref2.last_hidden_state, rtol=1e-4, atol=1e-5)
+    assert kv.capacity >= 12 and kv.length == 7  # the tree's slots are scratch: the verified length is unchanged
+
+
+def test_draft_kv_keeps_its_content_when_it_grows():
+    kv = DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), capacity=2)
+    first = torch.arange(12.0).view(1, 2, 2, 3)
+    kv.write(0, first, -first)
+    second = torch.full((1, 2, 3, 3), 7.0)
+    keys, values = kv.write(2, second, second)
+    assert kv.capacity == 5 and keys.shape == (1, 2, 5, 3)
+    assert torch.equal(keys[:, :, :2], first) and torch.equal(values[:, :, :2], -first)
+    assert torch.equal(keys[:, :, 2:], second)
+
+
+def test_causal_block_sees_the_prefix_and_earlier_rows():
+    mask = causal_block(2, 3, torch.float32, torch.device("cpu"))
+    assert mask.shape == (3, 5)
+    assert ((mask == 0) == torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)).all()
+
+
+def test_top_children_are_the_best_log_probabilities():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40).to(torch.bfloat16)
+    ids, logp = top_children(logits, 4)
+    expected = torch.log_softmax(logits.float(), dim=-1).topk(4, dim=-1)
+    assert torch.equal(ids, expected.indices)
+    torch.testing.assert_close(logp, expected.values)
