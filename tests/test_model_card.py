@@ -178,4 +178,4 @@ def test_the_readme_main_command_from_the_installed_wheel(installed):
     done = run_installed(site, sys.executable, site / "bin" / "eagle3-hf", "generate", "--target", "smollm2",
                          "--max-new-tokens", "8", "--no-compare", timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "EAGLE-3: 8 tokens in" in done.stdout
+    assert "EAGLE-3 (" in done.stdout and "): 8 tokens in" in done.stdout

@@ -44,7 +44,7 @@ class TrainCommandArguments:
     init_draft: str | None = field(
         default=None,
         metadata={"help": "continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
-                          "vocabulary, shared tokens keeping their head rows, new ones the target's)"},
+                          "vocabulary, shared tokens keeping their head rows, new ones starting at zero)"},
     )  # fmt: skip
     vocab: str | None = field(
         default=None, metadata={"help": "draft vocabulary file written by `eagle3-hf vocab` (fresh drafts)"}
@@ -333,7 +333,7 @@ def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: di
             vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
             d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
                 torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
-            shared = remap_draft_vocab(draft, d2t, t2d, target if args.init_from_target else None)
+            shared = remap_draft_vocab(draft, d2t, t2d)
             say(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
         return draft
     vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)

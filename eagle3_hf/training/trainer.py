@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -382,8 +383,22 @@ class Eagle3Trainer(Trainer):
         info = {"steps": self.state.global_step, "ttt_length": self.args.ttt_length, **(draft.training_info or {})}
         build_model_card(draft.config, info).save(os.path.join(self.args.output_dir, CARD_NAME))
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._cpu_at_start = time.process_time()
+        return super().train(*args, **kwargs)
+
+    def _cpu_seconds(self) -> float:
+        """This process's CPU seconds in `train()`, summed over a resumed run's earlier parts (from the logs the
+        checkpoint carries): the x axis of learning curves against CPU-hours."""
+        earlier = next((log["cpu_s"] for log in reversed(self.state.log_history) if "cpu_s" in log), 0.0)
+        if getattr(self, "_cpu_earlier", None) is None:
+            self._cpu_earlier = earlier  # fixed at the first log of this process
+        return self._cpu_earlier + time.process_time() - getattr(self, "_cpu_at_start", time.process_time())
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the TTT metrics accumulated since the last log (gathered across processes) and log."""
+        """Add the TTT metrics accumulated since the last log (gathered across processes), the CPU seconds spent
+        training (`cpu_s`), and log."""
+        logs["cpu_s"] = round(self._cpu_seconds(), 1)
         if "loss" in logs and "train" in self._metric_sums:
             logs.update(self._pop_metrics("train", ""))
         if "eval_loss" in logs and "eval" in self._metric_sums:
