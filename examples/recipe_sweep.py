@@ -174,7 +174,7 @@ def grow_from(draft: Eagle3DraftModel, old: Eagle3DraftModel, target, keep: torc
 def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    train = torch.load(args.train)["rows"]
+    train = torch.load(args.train)["rows"][: args.max_train]  # --max-train: a fit test on a few conversations
     evals = {path: torch.load(path)["rows"] for path in args.eval}
     recipe = Recipe(make_draft(args, train).float().train(), args.oov)
     draft = recipe.draft
@@ -256,6 +256,8 @@ def main() -> None:
     variant.add_argument("--save", default=None, help="save the trained draft here")
     variant.add_argument("--init-draft", default=None, help="continue this saved draft")
     variant.add_argument("--init", default="random", choices=["random", "head"], help="fresh draft initialisation")
+    variant.add_argument("--max-train", type=int, default=None,
+                         help="train on only the first N cached conversations (a fit test: can the draft learn them?)")
     variant.add_argument("--vocab", type=int, default=8192)
     variant.add_argument("--intermediate", type=int, default=0, help="MLP width (0: the target's)")
     variant.add_argument("--oov", default="mask", choices=["mask", "renorm"])
