@@ -74,6 +74,10 @@ def test_bench_card_puts_acceptance_by_depth_in_the_metadata(draft, tmp_path):
                        "acceptance_rate_depth_1": 0.7, "acceptance_rate_depth_2": 0.6}  # fmt: skip
     assert "| 3.46 | 2.01x | 100% | x86_64 (1 thread) | float32 |" in card.text
     assert "tau 2.50; acceptance by depth (n-alpha) 0.70 / 0.60 / n/a." in card.text
+    assert "near-ties" not in card.text  # float32: the verification is exact
+    bf16 = {**REPORT, "identical": 0.23, "config": {**REPORT["config"], "dtype": "bfloat16"}}
+    text = bench_card(str(tmp_path), bf16).text
+    assert "| 23% | x86_64 (1 thread) | bfloat16 |" in text and "the target's own up to near-ties" in text
     # a local path or a short name is not a Hub id: no base_model rather than a wrong one
     config = json.loads((tmp_path / "config.json").read_text())
     for name in ("smollm2", str(tmp_path)):

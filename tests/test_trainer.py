@@ -141,7 +141,6 @@ def test_resume_reproduces_an_uninterrupted_run(target, dataset, tmp_path):
     # CPU seconds spent training are logged and keep counting across the resume (learning curves use them).
     cpu = [log["cpu_s"] for log in resumed.state.log_history if "loss" in log]
     assert len(cpu) == 6 and cpu[0] > 0 and all(b >= a for a, b in zip(cpu, cpu[1:]))
-    assert cpu[4] >= cpu[3]  # step 5 (after the resume) counts on from step 4's logged value
     for (name, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
 

@@ -193,6 +193,44 @@ def test_out_of_vocabulary_positions_carry_no_loss():
     torch.testing.assert_close(out.loss, expected)
 
 
+def test_head_on_supervised_rows_equals_the_loss_on_full_logits():
+    """`ttt_forward(return_hidden=True)` + `ttt_loss(head=lm_head)` (the trainer's path: the head runs on supervised
+    in-vocabulary rows only) gives the loss, gradients and counts of the head over every position."""
+    target, draft = make_pair("llama")
+    draft.train()
+    torch.manual_seed(1)
+    ids = torch.randint(0, V, (2, 12))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    features = draft.target_features(out.hidden_states)
+    loss_mask = torch.zeros(2, 12)
+    loss_mask[0, 4:] = 1
+    loss_mask[1, 7:11] = 1
+    # Some supervised positions' target top token lies outside the 40-id draft vocabulary: they are certain misses.
+    assert not draft.t2d[out.logits.argmax(-1)[loss_mask.bool()]].all()
+    results = []
+    for k in (None, 5):
+        target_logits, target_ids = (out.logits, None) if k is None else target_top_k(out.logits, k)
+        for use_head in (False, True):
+            draft.zero_grad()
+            steps = ttt_forward(draft, ids, features, ttt_length=3, return_hidden=use_head)
+            result = ttt_loss(
+                steps, target_logits, loss_mask, draft.t2d, target_ids=target_ids,
+                head=draft.lm_head if use_head else None,
+            )  # fmt: skip
+            result.loss.backward()
+            results.append((result, draft.fc.weight.grad.clone(), draft.lm_head.weight.grad.clone()))
+    for (full, *full_grads), (headed, *head_grads) in (results[:2], results[2:]):
+        torch.testing.assert_close(headed.loss, full.loss)
+        for name in ("step_losses", "step_correct", "step_supervised", "step_in_vocab"):
+            torch.testing.assert_close(getattr(headed, name), getattr(full, name))
+        for a, b in zip(head_grads, full_grads):
+            torch.testing.assert_close(a, b)
+    assert results[0][0].step_correct.sum() > 0
+    with pytest.raises(ValueError, match="needs t2d"):
+        ttt_loss(steps, out.logits, loss_mask, head=draft.lm_head)
+
+
 def test_top_k_soft_targets_restrict_to_the_draft_vocabulary():
     torch.manual_seed(0)
     logits = torch.randn(5, 6)

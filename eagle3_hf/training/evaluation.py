@@ -73,8 +73,8 @@ def evaluate_draft(
             # Only the top token matters here: one kept logit is enough for the accuracy and the coverage.
             ids, attention = batch["input_ids"], batch["attention_mask"]
             features, top_logits, top_ids = online_features(target, base, ids, attention, 1)
-            logits = ttt_forward(base, ids, features, attention, ttt_length)
-            out = ttt_loss(logits, top_logits, batch["loss_mask"], base.t2d, target_ids=top_ids)
+            states = ttt_forward(base, ids, features, attention, ttt_length, return_hidden=True)
+            out = ttt_loss(states, top_logits, batch["loss_mask"], base.t2d, target_ids=top_ids, head=base.lm_head)
             counts = (out.step_correct.cpu(), out.step_supervised.cpu(), out.step_in_vocab.cpu())
             if correct is None:
                 correct, supervised, in_vocab = counts

@@ -239,6 +239,9 @@ class Eagle3Trainer(Trainer):
             target = target.to(self.args.device)
         self.target = target
         self._metric_sums: dict[str, torch.Tensor] = {}
+        # CPU seconds spent in train() (logged as cpu_s): this process's start, and the resumed run's earlier total.
+        self._cpu_at_start = time.process_time()
+        self._cpu_earlier: float | None = None
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator, with the FSDP plugin also switched on for CPU processes (`enable_cpu_fsdp`)."""
@@ -289,12 +292,18 @@ class Eagle3Trainer(Trainer):
     # loss
     def _ttt(self, draft: Eagle3DraftModel, **batch: torch.Tensor) -> TTTOutput:
         with self.accelerator.autocast():  # accelerate's own autocast wrapper sits on the forward we bypass
-            logits = ttt_forward(
-                draft, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length
-            )
+            states = ttt_forward(
+                draft, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length,
+                return_hidden=True,
+            )  # fmt: skip
+
+        def head(rows: torch.Tensor) -> torch.Tensor:  # the loss runs the head on supervised rows only
+            with self.accelerator.autocast():
+                return draft.lm_head(rows)
+
         return ttt_loss(
-            logits, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
-            target_ids=batch["target_top_ids"],
+            states, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
+            target_ids=batch["target_top_ids"], head=head,
         )  # fmt: skip
 
     def compute_loss(
@@ -385,15 +394,16 @@ class Eagle3Trainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._cpu_at_start = time.process_time()
+        self._cpu_earlier = None  # read at the first log: a resumed run's log history is loaded inside train()
         return super().train(*args, **kwargs)
 
     def _cpu_seconds(self) -> float:
         """This process's CPU seconds in `train()`, summed over a resumed run's earlier parts (from the logs the
         checkpoint carries): the x axis of learning curves against CPU-hours."""
-        earlier = next((log["cpu_s"] for log in reversed(self.state.log_history) if "cpu_s" in log), 0.0)
-        if getattr(self, "_cpu_earlier", None) is None:
-            self._cpu_earlier = earlier  # fixed at the first log of this process
-        return self._cpu_earlier + time.process_time() - getattr(self, "_cpu_at_start", time.process_time())
+        if self._cpu_earlier is None:
+            history = self.state.log_history
+            self._cpu_earlier = next((log["cpu_s"] for log in reversed(history) if "cpu_s" in log), 0.0)
+        return self._cpu_earlier + time.process_time() - self._cpu_at_start
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the TTT metrics accumulated since the last log (gathered across processes), the CPU seconds spent

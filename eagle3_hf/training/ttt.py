@@ -18,17 +18,23 @@ computes when it prefills the pairs up to ``t`` and then feeds its own state bac
 (``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask.
 
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
-positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S`` instead, which makes the loss scale
-(hence the effective learning rate) depend on prompt length and padding; a per-supervised-token mean does not. As
+positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S``
+instead, which makes the loss scale (hence the effective learning rate) depend on prompt length and padding; a
+per-supervised-token mean does not. As
 in the official code and SpecForge, positions whose target top token lies outside the draft vocabulary carry no
 loss: greedy verification rejects every draft token there, so training them towards the best in-vocabulary token
 only takes capacity. They still count in the accuracy, as misses: accuracy is measured against the target's top
 token over its FULL vocabulary, which is what acceptance measures.
+
+Cost: the head over a 16k-id draft vocabulary and its softmax are most of a step's work, and neither prompts nor
+out-of-vocabulary positions need them, so training runs the head inside the loss on the rows that carry loss
+(``ttt_forward(return_hidden=True)`` + ``ttt_loss(head=...)``), and top-k soft labels stay sparse (``[M, k]``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,18 +136,28 @@ def draft_vocab_targets(
         top = target_logits.argmax(-1)  # [N]
         in_vocab = t2d[top]
         return top, in_vocab, torch.softmax(target_logits[in_vocab][:, t2d].float(), dim=-1)
+    top, in_vocab, columns, p = _sparse_targets(target_logits, target_ids, t2d)
+    dense = p.new_zeros(p.shape[0], int(t2d.sum()))
+    return top, in_vocab, dense.scatter_add_(1, columns, p)
+
+
+def _sparse_targets(
+    target_logits: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draft_vocab_targets` for top-k logits, with the soft label kept sparse: ``(top [N], in_vocab [N],
+    columns [M, k] draft ids, p [M, k])``. `p` is zero at the columns whose id lies outside the draft vocabulary
+    (their `columns` entry is 0, a placeholder), so the loss is ``-(p * log_q.gather(1, columns)).sum()``: O(M*k)
+    instead of a product over the whole ``[M, Vd]``."""
+    t2d = t2d.to(target_logits.device)
     ids = target_ids.long()
     top = ids.gather(-1, target_logits.argmax(-1, keepdim=True))[:, 0]  # column 0 when sorted, any order works
     in_vocab = t2d[top]
     ids, logits = ids[in_vocab], target_logits[in_vocab].float()  # [M, k]
-    draft_vocab = int(t2d.sum())
     member = t2d[ids]
     draft_index = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of each in-vocabulary target id
-    # Ids outside the draft vocabulary are written to a spare last column that is dropped.
-    columns = torch.where(member, draft_index[ids], draft_vocab)
-    scores = logits.new_full((logits.shape[0], draft_vocab + 1), float("-inf"))
-    scores.scatter_(1, columns, torch.where(member, logits, float("-inf")))
-    return top, in_vocab, torch.softmax(scores[:, :draft_vocab], dim=-1)
+    columns = torch.where(member, draft_index[ids], 0)
+    p = torch.softmax(torch.where(member, logits, float("-inf")), dim=-1)  # the top id is a member: no all -inf row
+    return top, in_vocab, columns, p
 
 
 def _joint_attention(
@@ -230,6 +246,7 @@ def ttt_forward(
     target_hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     ttt_length: int = 7,
+    return_hidden: bool = False,
 ) -> list[torch.Tensor]:
     r"""Run `ttt_length` TTT steps of `draft`; return the per-step draft logits, each ``[B, S, Vd]``.
 
@@ -239,6 +256,9 @@ def ttt_forward(
         target_hidden_states: ``[B, S, 3*Ht]`` target taps at each position.
         attention_mask: ``[B, S]`` 1 on real tokens (right padding); `None` means no padding.
         ttt_length: number of steps K (step ``j`` predicts ``x_{t+2+j}``).
+        return_hidden: return each step's head input (the normed state, ``[B, S, H]``) instead of its logits; pass
+            ``head=draft.lm_head`` to `ttt_loss`, which then runs the head on the supervised positions only (the
+            head over a draft vocabulary of 16k ids is most of a step's cost, and prompts carry no loss).
 
     Logits of step ``j`` at position ``t`` are what inference-time drafting produces after prefilling pairs up to
     ``t`` and feeding back its own state ``j`` times with the true tokens.
@@ -298,7 +318,7 @@ def ttt_forward(
             out, k, v = _ttt_step(*args)
         previous += [k, v]
         normed = draft.norm(out)
-        logits.append(draft.lm_head(normed))
+        logits.append(normed if return_hidden else draft.lm_head(normed))
         hidden = normed if draft.config.norm_output else out
     return logits
 
@@ -310,6 +330,7 @@ def ttt_loss(
     t2d: torch.Tensor | None = None,
     decay: float = 0.8,
     target_ids: torch.Tensor | None = None,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TTTOutput:
     """The TTT loss, and per-step accuracy against the target's full-vocabulary top token.
 
@@ -322,6 +343,8 @@ def ttt_loss(
         decay: weight of step ``j`` is ``decay**j``.
         target_ids: ``[B, S, k]`` the target ids of the `target_logits` columns (top-k); `None` when they are the
             full vocabulary.
+        head: with `ttt_forward(..., return_hidden=True)`'s head inputs as `step_logits`, the draft head
+            (``draft.lm_head``, ``[M, H] -> [M, Vd]``), run here on the supervised in-vocabulary positions only.
 
     A supervised position whose target top token lies outside the draft vocabulary carries no loss (greedy
     verification rejects every draft token there) but counts as a miss in the accuracy, so that ``step_accuracy``
@@ -330,7 +353,9 @@ def ttt_loss(
     """
     if not step_logits:
         raise ValueError("step_logits is empty; run at least one TTT step.")
-    draft_vocab = step_logits[0].shape[-1]
+    if head is not None and t2d is None:
+        raise ValueError("ttt_loss with a head needs t2d (the draft vocabulary over the target's ids).")
+    draft_vocab = int(t2d.sum()) if head is not None else step_logits[0].shape[-1]
     if t2d is None:
         if target_ids is not None or target_logits.shape[-1] != draft_vocab:
             raise ValueError(
@@ -359,19 +384,29 @@ def ttt_loss(
     seq = loss_mask.shape[1]
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     losses, correct, supervised, in_vocab_counts = [], [], [], []
-    for step, logits in enumerate(step_logits):
+    for step, outputs in enumerate(step_logits):
         draft_pos, target_rows, mask_pos = step_alignment(seq, step)
         selected = loss_mask[:, mask_pos].bool()  # [B, n]
-        # Gather the supervised positions first: the softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
-        ids = target_ids[:, target_rows][selected] if target_ids is not None else None
-        top, in_vocab, p = draft_vocab_targets(target_logits[:, target_rows][selected], ids, t2d)  # [N], [N], [M, Vd]
-        draft_logits = logits[:, draft_pos][selected]  # [N, Vd]
-        log_q = torch.log_softmax(draft_logits[in_vocab].float(), dim=-1)  # [M, Vd]
+        # Gather the supervised positions first: the head and softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
+        rows = outputs[:, draft_pos][selected]  # [N, Vd] logits, or [N, H] head inputs
+        targets = target_logits[:, target_rows][selected]
+        if target_ids is not None:
+            top, in_vocab, columns, p = _sparse_targets(targets, target_ids[:, target_rows][selected], t2d)
+        else:
+            (top, in_vocab, p), columns = draft_vocab_targets(targets, None, t2d), None
+        # An out-of-vocabulary target is a certain miss and carries no loss: only in-vocabulary rows need the head.
+        rows = rows[in_vocab]
+        draft_logits = head(rows) if head is not None else rows  # [M, Vd]
+        if draft_logits.shape[-1] != draft_vocab:
+            raise ValueError(f"The head gives {draft_logits.shape[-1]} logits; t2d marks {draft_vocab} draft ids.")
+        log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [M, Vd]
         carrying = in_vocab.sum()
-        step_loss = -(p * log_q).sum() / carrying.clamp(min=1)
+        picked = log_q if columns is None else log_q.gather(1, columns)  # [M, Vd] or [M, k]
+        step_loss = -(p * picked).sum() / carrying.clamp(min=1)
         total = total + decay**step * step_loss
         losses.append(step_loss.detach())
-        correct.append((draft_to_target[draft_logits.argmax(-1)] == top).sum())
+        predicted = draft_to_target[log_q.detach().max(-1).indices]  # [M]; max is faster than argmax here
+        correct.append((predicted == top[in_vocab]).sum())
         supervised.append(selected.sum())
         in_vocab_counts.append(carrying)
     return TTTOutput(
