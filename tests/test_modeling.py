@@ -91,6 +91,8 @@ BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_h
         (dict(target_num_hidden_layers=3), "num_target_layers"),
         (dict(rope_parameters={"rope_type": "default"}), "rope_parameters"),
         (dict(tree_total_tokens=1), "tree_total_tokens"),
+        (dict(num_hidden_layers=0), r"num_hidden_layers \(the draft's own depth\) must be an integer >= 1, got 0"),
+        (dict(num_hidden_layers=2.0), "num_hidden_layers.*got 2.0"),
     ],
 )
 def test_invalid_config_values_name_the_field(overrides, field):
@@ -98,10 +100,53 @@ def test_invalid_config_values_name_the_field(overrides, field):
         Eagle3DraftConfig(**{**BASE, **overrides})
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_deeper_draft_stacks_plain_layers_and_caches_each(family):
+    target = make_target(family)
+    one = Eagle3DraftModel.from_target(target, draft_vocab_size=300)
+    assert one.config.num_hidden_layers == 1 and len(one.upper_layers) == 0
+    assert not any(k.startswith("upper_layers.") for k in one.state_dict())  # 1-layer checkpoints keep their keys
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=300, num_hidden_layers=3).eval()
+    assert draft.config.num_hidden_layers == 3 and draft.config.target_num_hidden_layers == L
+    layers = draft.draft_layers()
+    assert [layer.self_attn.layer_idx for layer in layers] == [0, 1, 2] and layers[0] is draft.midlayer
+    assert draft.midlayer.self_attn.q_proj.in_features == 2 * 64 and hasattr(draft.midlayer, "hidden_norm")
+    for layer in layers[1:]:  # ordinary layers of the family: H-wide q/k/v, no hidden_norm
+        assert layer.self_attn.q_proj.in_features == 64 and not hasattr(layer, "hidden_norm")
+        assert getattr(layer.self_attn, "sliding_window", None) is None  # full attention, whatever the target's
+    assert set(one.state_dict()) < set(draft.state_dict())
+    ids = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        features = draft.target_features(target(ids, output_hidden_states=True).hidden_states)
+        full = draft(ids, target_hidden_states=features)
+        prefix = draft(ids[:, :4], target_hidden_states=features[:, :4], use_cache=True)
+        assert len(prefix.cache.layers) == 3 and prefix.cache.get_seq_length() == 4
+        rest = draft(ids[:, 4:], target_hidden_states=features[:, 4:], cache=prefix.cache)
+    # Each layer attends over its own cached keys: prefix + continuation computes what one call over all 7 does.
+    torch.testing.assert_close(torch.cat([prefix.logits, rest.logits], 1), full.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rest.last_hidden_state, full.last_hidden_state[:, 4:], rtol=1e-4, atol=1e-5)
+    # The upper layers change the output (they are not skipped).
+    one.load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("upper_layers.")})
+    with torch.no_grad():
+        assert not torch.allclose(one(ids, target_hidden_states=features).logits, full.logits, atol=1e-3)
+
+
+def test_decoder_layer_index_is_checked():
+    from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
+
+    config = Eagle3DraftConfig(**BASE, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"layer_idx must be an integer in \[0, num_hidden_layers=2\), got 2"):
+        Eagle3DecoderLayer(config, layer_idx=2)
+
+
 def test_config_defaults():
     config = Eagle3DraftConfig(**BASE, rope_theta=5e5)
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
     assert config.head_dim == 16 and config.draft_vocab_size == V and not config.uses_draft_vocab
+    assert config.num_hidden_layers == 1 and config.layer_config().num_hidden_layers == 1
+    deep = Eagle3DraftConfig(**BASE, num_hidden_layers=3, layer_type="qwen3")
+    assert deep.layer_config().num_hidden_layers == 3 and deep.layer_config().layer_types == ["full_attention"] * 3
+    assert Eagle3DraftConfig.from_dict(deep.to_dict()).num_hidden_layers == 3
     assert Eagle3DraftConfig(**BASE).rope_parameters["rope_theta"] == 10000.0
     Eagle3DraftModel(Eagle3DraftConfig(**BASE))  # no special token ids given
 

@@ -1,9 +1,9 @@
 """Configuration of the EAGLE-3 draft model.
 
-The draft is one decoder layer that reads a fusion of three hidden states of a frozen
-target model. Its config therefore holds two things: the shape of that one layer (which
-transformers family builds it, hidden size, heads, RoPE, ...) and the identity of the
-target it was trained for (hidden size, vocabulary, depth and the three tapped layers).
+The draft is a short stack of decoder layers (one, as in EAGLE-3, unless `num_hidden_layers` says more) that reads a
+fusion of three hidden states of a frozen target model. Its config therefore holds two things: the shape of those
+layers (which transformers family builds them, hidden size, heads, RoPE, depth, ...) and the identity of the target
+it was trained for (hidden size, vocabulary, depth and the three tapped layers).
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ class Eagle3DraftConfig(PretrainedConfig):
         draft_vocab_size (`int`, *optional*): size of the draft's own output head; defaults to `vocab_size`.
         hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
         rms_norm_eps, rope_parameters, max_position_embeddings, attention_bias, mlp_bias:
-            shape of the single draft decoder layer. `rope_parameters` are the draft's own; they are never taken
+            shape of the draft's decoder layers. `rope_parameters` are the draft's own; they are never taken
             from the target when loading a checkpoint.
+        num_hidden_layers (`int`): the DRAFT's depth (not the target's, see `target_num_hidden_layers`), at least 1.
+            Layer 0 reads `[embedding | fused state]` (2H wide); layers 1.. are plain decoder layers of the family
+            over the layer below's output. EAGLE-3 drafts have 1.
         layer_type (`str`): the transformers `model_type` whose attention/MLP/norm classes build the layer, one of
             `SUPPORTED_LAYER_TYPES`.
         layer_config_overrides (`dict`, *optional*): extra fields for that family's layer config
@@ -98,6 +101,7 @@ class Eagle3DraftConfig(PretrainedConfig):
         max_position_embeddings: int = 2048,
         attention_bias: bool = False,
         mlp_bias: bool = False,
+        num_hidden_layers: int = 1,
         initializer_range: float = 0.02,
         layer_type: str = "llama",
         layer_config_overrides: dict[str, Any] | None = None,
@@ -141,6 +145,7 @@ class Eagle3DraftConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
+        self.num_hidden_layers = num_hidden_layers
         self.initializer_range = initializer_range
         self.layer_type = layer_type
         self.layer_config_overrides = dict(layer_config_overrides or {})
@@ -179,6 +184,11 @@ class Eagle3DraftConfig(PretrainedConfig):
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Eagle3DraftConfig.{name} must be a positive integer, got {value!r}.")
+        depth = self.num_hidden_layers
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(
+                f"Eagle3DraftConfig.num_hidden_layers (the draft's own depth) must be an integer >= 1, got {depth!r}."
+            )
         if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"Eagle3DraftConfig.draft_vocab_size must be an integer in [1, vocab_size={self.vocab_size}], "
@@ -219,7 +229,8 @@ class Eagle3DraftConfig(PretrainedConfig):
         return self.draft_vocab_size != self.vocab_size
 
     def layer_config(self) -> PretrainedConfig:
-        """The transformers config of `layer_type` that builds the single draft layer."""
+        """The transformers config of `layer_type` that builds the draft layers (`num_hidden_layers` of them, so that
+        attention modules take `layer_idx` 0..N-1 and a `DynamicCache` keeps one entry per layer)."""
         from eagle3_hf.modeling.families import get_family
 
         family = get_family(self.layer_type)
@@ -227,7 +238,7 @@ class Eagle3DraftConfig(PretrainedConfig):
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
@@ -254,7 +265,8 @@ class Eagle3DraftConfig(PretrainedConfig):
     ) -> Eagle3DraftConfig:
         """Derive a draft config from a target's config: same width, heads and vocabulary, one layer.
 
-        `overrides` replace any derived field (e.g. `intermediate_size`, `target_layer_ids`).
+        `overrides` replace any derived field (e.g. `intermediate_size`, `target_layer_ids`, or `num_hidden_layers`
+        for a deeper draft; the target's own depth is `target_num_hidden_layers`).
         """
         text = target_config.get_text_config()
         model_type = getattr(text, "model_type", None)

@@ -1,8 +1,10 @@
-"""The draft's one decoder layer: the target family's attention, MLP and norms, q/k/v widened to 2H.
+"""The draft's decoder layers: the target family's attention, MLP and norms; the first one's q/k/v widened to 2H.
 
-Input is ``[input_layernorm(embed(x)) | hidden_norm(g)]`` (``[B, S, 2H]``); the residual is ``g`` (or
-``hidden_norm(g)`` with ``norm_before_residual``). `qkv` exposes the projection and rotation alone, for the
-training-time-test loop, which attends with its own mask structure.
+Layer 0 (the EAGLE-3 layer, ``midlayer``) reads ``[input_layernorm(embed(x)) | hidden_norm(g)]`` (``[B, S, 2H]``);
+its residual is ``g`` (or ``hidden_norm(g)`` with ``norm_before_residual``). Layers 1.. of a deeper draft are the
+family's ordinary pre-norm layers over the layer below's output ``o``: input ``input_layernorm(o)`` (``[B, S, H]``),
+residual ``o``, no ``hidden_norm`` (as vLLM's multi-layer Llama EAGLE-3 draft builds them). `qkv` exposes the
+projection and rotation alone, for the training-time-test loop, which attends with its own mask structure.
 """
 
 from __future__ import annotations
@@ -20,27 +22,45 @@ __all__ = ["Eagle3DecoderLayer"]
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The draft's single decoder layer, built from the target family's transformers classes."""
+    """One draft decoder layer, built from the target family's transformers classes.
 
-    def __init__(self, config: Eagle3DraftConfig) -> None:
+    Args:
+        config: the draft's config.
+        layer_idx: its place in the draft, in `[0, config.num_hidden_layers)`: 0 is the EAGLE-3 layer (2H-wide
+            q/k/v, `hidden_norm`), any other an ordinary layer of the family. Its attention caches under this index.
+    """
+
+    def __init__(self, config: Eagle3DraftConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        depth = config.num_hidden_layers
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < depth:
+            raise ValueError(f"layer_idx must be an integer in [0, num_hidden_layers={depth}), got {layer_idx!r}.")
         family = get_family(config.layer_type)
         layer_config = config.layer_config()
         hidden = config.hidden_size
+        self.layer_idx = layer_idx
         self.norm_before_residual = config.norm_before_residual
-        self.self_attn = family.attention_class(layer_config, layer_idx=0)
-        # EAGLE-3 widens q/k/v to read [normed embedding | normed hidden] (2H wide).
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(self.self_attn, name)
-            setattr(self.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        self.self_attn = family.attention_class(layer_config, layer_idx=layer_idx)
+        if layer_idx == 0:
+            # EAGLE-3 widens q/k/v to read [normed embedding | normed hidden] (2H wide).
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(self.self_attn, name)
+                setattr(self.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
         self.mlp = family.mlp_class(layer_config)
         norm = family.norm_class
         self.input_layernorm = norm(hidden, eps=config.rms_norm_eps)
-        self.hidden_norm = norm(hidden, eps=config.rms_norm_eps)
+        if layer_idx == 0:  # later layers read the layer below's output alone, normed by input_layernorm
+            self.hidden_norm = norm(hidden, eps=config.rms_norm_eps)
         self.post_attention_layernorm = norm(hidden, eps=config.rms_norm_eps)
 
     def layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (attention input `[B, S, 2H]`, residual `[B, S, H]`)."""
+        """Return (attention input, residual `[B, S, H]`).
+
+        Layer 0: input `[B, S, 2H]` from the token embeddings `embeds` and the fused or fed-back state `hidden`.
+        Later layers: input `input_layernorm(hidden)` `[B, S, H]` over the layer below's output; `embeds` is unused.
+        """
+        if self.layer_idx > 0:
+            return self.input_layernorm(hidden), hidden
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual

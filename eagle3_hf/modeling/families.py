@@ -1,8 +1,8 @@
-"""Which transformers classes build the draft layer for each supported target family.
+"""Which transformers classes build the draft layers for each supported target family.
 
-The draft layer is assembled from the family's own attention, MLP and RMSNorm classes
-(never a forked modeling file); only the q/k/v projections are widened to read the
-2H-wide [embedding | hidden] input. RoPE uses transformers' Llama rotary embedding for
+The draft layers are assembled from the family's own attention, MLP and RMSNorm classes
+(never a forked modeling file); only the first layer's q/k/v projections are widened to
+read the 2H-wide [embedding | hidden] input. RoPE uses transformers' Llama rotary embedding for
 every family: the rotation is the same and the draft keeps one set of RoPE parameters.
 """
 
@@ -50,23 +50,23 @@ class LayerFamily:
         return self.extra_defaults(draft_config)
 
 
-def _single_full_attention_layer(cfg: Any) -> dict[str, Any]:
-    # The draft layer always attends to its whole (short) context: no sliding window.
-    return {"layer_types": ["full_attention"]}
+def _full_attention_layers(cfg: Any) -> dict[str, Any]:
+    # The draft layers always attend to their whole (short) context: no sliding window.
+    return {"layer_types": ["full_attention"] * cfg.num_hidden_layers}
 
 
 def _gemma3_defaults(cfg: Any) -> dict[str, Any]:
-    return {"layer_types": ["full_attention"], "query_pre_attn_scalar": cfg.head_dim}
+    return {**_full_attention_layers(cfg), "query_pre_attn_scalar": cfg.head_dim}
 
 
 _FAMILIES = {
     "llama": LayerFamily("llama", "llama", "Llama", "LlamaConfig"),
     "mistral": LayerFamily("mistral", "mistral", "Mistral", "MistralConfig", has_mlp_bias=False),
     "qwen2": LayerFamily(
-        "qwen2", "qwen2", "Qwen2", "Qwen2Config", has_mlp_bias=False, extra_defaults=_single_full_attention_layer
+        "qwen2", "qwen2", "Qwen2", "Qwen2Config", has_mlp_bias=False, extra_defaults=_full_attention_layers
     ),
     "qwen3": LayerFamily(
-        "qwen3", "qwen3", "Qwen3", "Qwen3Config", has_mlp_bias=False, extra_defaults=_single_full_attention_layer
+        "qwen3", "qwen3", "Qwen3", "Qwen3Config", has_mlp_bias=False, extra_defaults=_full_attention_layers
     ),
     "gemma3_text": LayerFamily(
         "gemma3_text",

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft model: `fc` over three target taps, one widened decoder layer, its own head.
+"""The EAGLE-3 draft model: `fc` over three target taps, one widened decoder layer (and optionally more), its head.
 
 One draft step (EAGLE-3, arXiv 2503.01840; layouts in the official, SpecForge and speculators
 checkpoints):
@@ -7,6 +7,7 @@ checkpoints):
     a  = [input_layernorm(embed(x)) | hidden_norm(g)]                    [B, S, 2H]
     r  = g + attn(a)                             (hidden_norm(g) + attn(a) if norm_before_residual)
     o  = r + mlp(post_attention_layernorm(r))
+    o  = layer_l(o) for l = 1..N-1               deeper drafts only (`upper_layers`, plain pre-norm layers)
     logits = lm_head(norm(o))                    over the draft vocabulary [B, S, Vd]
     feed back o (or norm(o) if norm_output)
 
@@ -128,7 +129,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if config.fc_norm:
             self.fc_norm = nn.ModuleList([norm(target_hidden, eps=config.rms_norm_eps) for _ in range(3)])
         self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
-        self.midlayer = Eagle3DecoderLayer(config)
+        self.midlayer = Eagle3DecoderLayer(config)  # layer 0; its name is the checkpoints' `midlayer.*`
+        # Layers 1..N-1 of a deeper draft; empty for EAGLE-3's one layer (whose state dict stays as it was).
+        self.upper_layers = nn.ModuleList(Eagle3DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
         self.norm = norm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         rope_config = LlamaConfig(
@@ -194,6 +197,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     # ----------------------------------------------------------------------------------------------
     # helpers used by generation and training
+    def draft_layers(self) -> list[Eagle3DecoderLayer]:
+        """The decoder layers in order: `midlayer`, then `upper_layers`."""
+        return [self.midlayer, *self.upper_layers]
+
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Fused-input features `[B, S, 3*Ht]` from a target's `output_hidden_states`."""
         layer_ids = self.config.resolved_target_layer_ids(len(hidden_states) - 1)
@@ -295,15 +302,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             mask = additive_mask(attention_mask, hidden_states.dtype)
         else:
             mask = attention_mask
-        self.midlayer.self_attn.config._attn_implementation = self.config._attn_implementation
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        if self.gradient_checkpointing and self.training:
-            out = self._gradient_checkpointing_func(
-                self.midlayer.__call__, embeds, hidden_states, position_embeddings, mask, cache
-            )
-        else:
-            out = self.midlayer(embeds, hidden_states, position_embeddings, mask, cache)
+        out = hidden_states
+        for layer in self.draft_layers():  # the same mask and positions; the cache keeps one entry per layer
+            layer.self_attn.config._attn_implementation = self.config._attn_implementation
+            if self.gradient_checkpointing and self.training:
+                out = self._gradient_checkpointing_func(layer.__call__, embeds, out, position_embeddings, mask, cache)
+            else:
+                out = layer(embeds, out, position_embeddings, mask, cache)
         normed = self.norm(out)
         head_input = normed[:, -logits_to_keep:] if logits_to_keep > 0 else normed
         logits = self.lm_head(head_input)
