@@ -34,8 +34,9 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     "family, overrides",
     [("llama", {}), ("qwen3-qk-norm", {}), ("mistral", {}), ("gemma3", {}),
-     ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True))],
-    ids=["llama", "qwen3-qk-norm", "mistral", "gemma3", "llama-eagle3.1-flags"],
+     ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True)),
+     ("llama", dict(num_hidden_layers=2)), ("gemma3", dict(num_hidden_layers=3))],
+    ids=["llama", "qwen3-qk-norm", "mistral", "gemma3", "llama-eagle3.1-flags", "llama-2-layers", "gemma3-3-layers"],
 )  # fmt: skip
 def test_draft_forward_matches_the_model_forward(family, overrides):
     torch.manual_seed(0)
@@ -74,6 +75,9 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         torch.testing.assert_close(logits2, ref2.logits[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(hidden2, ref2.last_hidden_state, rtol=1e-4, atol=1e-5)
     assert kv.capacity >= 12 and kv.length == 7  # the tree's slots are scratch: the verified length is unchanged
+    assert kv.num_layers == draft.config.num_hidden_layers and len(ref2.cache.layers) == kv.num_layers
+    for layer in range(kv.num_layers):  # every layer's keys sit at the same slots as the model cache's entry
+        torch.testing.assert_close(kv.keys[layer, :, :, :12], ref2.cache.layers[layer].keys, rtol=1e-4, atol=1e-5)
 
 
 def test_draft_kv_keeps_its_content_when_it_grows():
@@ -85,6 +89,19 @@ def test_draft_kv_keeps_its_content_when_it_grows():
     assert kv.capacity == 5 and keys.shape == (1, 2, 5, 3)
     assert torch.equal(keys[:, :, :2], first) and torch.equal(values[:, :, :2], -first)
     assert torch.equal(keys[:, :, 2:], second)
+
+
+def test_draft_kv_layers_share_slots_and_grow_together():
+    kv = DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), capacity=2, num_layers=3)
+    for layer in range(3):
+        kv.write(0, torch.full((1, 2, 2, 3), float(layer)), torch.full((1, 2, 2, 3), -float(layer)), layer)
+    keys, _ = kv.write(1, torch.full((1, 2, 3, 3), 9.0), torch.full((1, 2, 3, 3), 9.0), 1)  # grows all
+    assert kv.capacity == 4 and keys.shape == (1, 2, 4, 3) and kv.keys.shape == (3, 1, 2, 4, 3)
+    assert torch.equal(keys[:, :, 0], torch.full((1, 2, 3), 1.0)) and (keys[:, :, 1:] == 9).all()
+    for layer in (0, 2):  # the other layers kept their content through the growth
+        assert (kv.keys[layer, :, :, :2] == layer).all() and (kv.values[layer, :, :, :2] == -layer).all()
+    with pytest.raises(ValueError, match="num_layers >= 1"):
+        DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), num_layers=0)
 
 
 def test_causal_block_sees_the_prefix_and_earlier_rows():

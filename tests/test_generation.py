@@ -133,6 +133,23 @@ def test_greedy_matches_plain_generate(family_case, family, tree):
         assert gained > cycles, f"{family}/{tree}: no draft token was ever accepted, acceptance went untested"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_deeper_draft_greedy_matches_plain_generate(family_case, family):
+    """A random 2-layer draft: every layer's KV buffer stays in step with the verified tokens, so output is exact."""
+    target, _, prompts, references = family_case(family)
+    torch.manual_seed(2)
+    draft = Eagle3DraftModel.from_target(target, num_hidden_layers=2)
+    assert len(draft.upper_layers) == 1
+    cycles = gained = 0
+    for tree in ("wide", "deep"):
+        for prompt, reference in zip(prompts, references):
+            out = eagle(target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, **TREES[tree])
+            assert out.sequences.tolist() == reference.tolist(), f"{family}/{tree}, prompt of {prompt.shape[1]} tokens"
+            cycles += len(out.accept_lengths)
+            gained += sum(out.accept_lengths)
+    assert gained > cycles, f"{family}: no draft token was ever accepted, acceptance went untested"
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_the_sliding_window_matters(family_case, family):
     """Without the window the same weights decode differently, so the equivalence above checks the window masks."""

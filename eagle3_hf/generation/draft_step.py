@@ -1,11 +1,12 @@
-"""The draft's forward at decoding time: its one layer over a preallocated KV buffer, in few tensor ops.
+"""The draft's forward at decoding time: its layer(s) over a preallocated KV buffer, in few tensor ops.
 
 `Eagle3DraftModel.forward` is the general entry point (training, any cache, 2D or 4D masks). Drafting a tree calls
 the draft once per level on a handful of rows, where per-call overheads cost as much as the matmuls: a
 `DynamicCache` concatenates its whole history on every update and is cropped again after each tree, the attention
 module goes through transformers' dispatch, and the mask is rebuilt in full. `draft_forward` computes the same
-function (the layer's own norms, projections and MLP, `qkv` for the rotation) with keys and values written into a
+function (each layer's own norms, projections and MLP, `qkv` for the rotation) with keys and values written into a
 `DraftKV` buffer at chosen slots: slots past `length` hold a tree's nodes and are simply overwritten by the next tree.
+A deeper draft writes every layer's keys/values at the same slots, so one `length` serves them all.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ __all__ = ["DraftKV", "draft_forward"]
 
 
 class DraftKV:
-    """Keys and values of the draft's layer, `[1, kv_heads, capacity, head_dim]`, grown by doubling.
+    """Keys and values of the draft's layers, `[num_layers, 1, kv_heads, capacity, head_dim]`, grown by doubling.
 
     Slots `[0, length)` hold verified positions; anything after them is scratch space for the tree being drafted.
+    Every layer uses the same slots for the same positions, so `length` and `capacity` are shared.
     """
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 512):
-        self.keys = torch.zeros(1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+    def __init__(
+        self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 512,
+        num_layers: int = 1,
+    ) -> None:  # fmt: skip
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"DraftKV needs num_layers >= 1 (one buffer per draft layer), got {num_layers!r}.")
+        self.keys = torch.zeros(num_layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
@@ -34,26 +41,33 @@ class DraftKV:
         attn = draft.midlayer.self_attn
         weight = draft.lm_head.weight
         kv_heads = draft.config.num_key_value_heads or draft.config.num_attention_heads
-        return cls(kv_heads, attn.head_dim, weight.dtype, weight.device, capacity)
+        return cls(kv_heads, attn.head_dim, weight.dtype, weight.device, capacity, len(draft.draft_layers()))
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[3]
 
-    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store `[1, kv_heads, S, d]` keys/values at slots `[slot, slot + S)`; return every key/value up to there."""
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    def write(
+        self, slot: int, keys: torch.Tensor, values: torch.Tensor, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer `layer`'s `[1, kv_heads, S, d]` keys/values at slots `[slot, slot + S)`; return that layer's
+        every key/value up to there (`[1, kv_heads, slot + S, d]`). Growing the buffer grows every layer's."""
         end = slot + keys.shape[2]
         capacity = self.capacity
         if end > capacity:
             grown = max(end, 2 * capacity)
             for name in ("keys", "values"):
                 old = getattr(self, name)
-                new = old.new_zeros(*old.shape[:2], grown, old.shape[3])
-                new[:, :, :capacity] = old
+                new = old.new_zeros(*old.shape[:3], grown, old.shape[4])
+                new[:, :, :, :capacity] = old
                 setattr(self, name, new)
-        self.keys[:, :, slot:end] = keys
-        self.values[:, :, slot:end] = values
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        self.keys[layer, :, :, slot:end] = keys
+        self.values[layer, :, :, slot:end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
 
 def causal_block(prefix: int, seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -111,14 +125,16 @@ def draft_forward(
     Returns:
         (logits `[S', draft_vocab]`, the state to feed back `[1, S, H]`).
     """
-    layer = draft.midlayer
-    attn = layer.self_attn
     embeds = draft.embed_tokens(input_ids).to(hidden.dtype)
-    x, residual = layer.layer_input(embeds, hidden)  # [1, S, 2H], [1, S, H]
-    q, k, v = layer.qkv(x, rotary or draft.rotary_emb(hidden, positions[None]))  # [1, h, S, d], [1, kv, S, d] x2
-    keys, values = kv.write(slot, k, v)
-    out = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
-    out = layer.finish(residual, attn.o_proj(out.transpose(1, 2).reshape(1, q.shape[2], -1)))
+    rotary = rotary or draft.rotary_emb(hidden, positions[None])
+    out = hidden
+    for index, layer in enumerate(draft.draft_layers()):  # each layer over the one below's output, same slots
+        attn = layer.self_attn
+        x, residual = layer.layer_input(embeds, out)  # [1, S, 2H] (layer 0) or [1, S, H], and [1, S, H]
+        q, k, v = layer.qkv(x, rotary)  # [1, h, S, d], [1, kv, S, d] x2
+        keys, values = kv.write(slot, k, v, index)
+        attended = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
+        out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(1, q.shape[2], -1)))
     normed = draft.norm(out)
     rows = normed[0, -logits_to_keep:] if logits_to_keep > 0 else normed[0]
     return draft.lm_head(rows), normed if draft.config.norm_output else out

@@ -95,7 +95,7 @@ def fsdp_memory_per_process(target: nn.Module | None, draft: nn.Module, world_si
     embedding included); ``gradients`` and ``optimizer``: 4 and 8 (AdamW's two moments) bytes per trainable draft
     weight / W; ``total``: their sum. ``gathered``: what is held whole on top for a moment, the larger of the
     target's largest unit (a decoder layer, the embedding or the head, as `shard_frozen_target` makes them) and the
-    draft's gathered units (root and head, plus the larger of its embedding and layer). Activations are not
+    draft's gathered units (root and head, plus the largest of its embedding and layers). Activations are not
     included.
     The models may be whole, sharded, or on the meta device (sizes only).
     """
@@ -106,10 +106,14 @@ def fsdp_memory_per_process(target: nn.Module | None, draft: nn.Module, world_si
     draft_weights = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     # The draft's units as accelerate makes them: the head and the root stay gathered from forward to backward,
-    # the embedding and the decoder layer are gathered around each use.
-    unit_bytes = {name: parameter_bytes(getattr(draft, name))[1] for name in ("embed_tokens", "midlayer", "lm_head")}
+    # the embedding and each decoder layer (`_no_split_modules`: midlayer and every upper layer) around each use.
+    base = draft.get_base_model() if hasattr(draft, "get_base_model") else draft
+    units = {"embed_tokens": base.embed_tokens, "lm_head": base.lm_head}
+    units.update({f"layer {i}": layer for i, layer in enumerate(base.draft_layers())})
+    unit_bytes = {name: parameter_bytes(module)[1] for name, module in units.items()}
     draft_rest = parameter_bytes(draft)[1] - sum(unit_bytes.values())
-    gathered = draft_rest + unit_bytes["lm_head"] + max(unit_bytes["embed_tokens"], unit_bytes["midlayer"])
+    one_at_a_time = max(b for name, b in unit_bytes.items() if name != "lm_head")
+    gathered = draft_rest + unit_bytes["lm_head"] + one_at_a_time
     if target is not None:
         sizes = [sum(parameter_bytes(m)[1] for m in unit) for unit in _target_units(target)]
         gathered = max([gathered, *sizes, target_bytes - sum(sizes)])  # the root holds what no unit does
@@ -239,8 +243,8 @@ def check_fsdp_plugin(plugin: Any) -> None:
     check_fsdp_loading(bool(plugin.cpu_ram_efficient_loading))
     if plugin.activation_checkpointing:
         raise ValueError(
-            "FSDP's activation_checkpointing is not supported (it wraps the draft layer, which the TTT loop calls "
-            "once per step); use gradient_checkpointing=True, which checkpoints each TTT step."
+            "FSDP's activation_checkpointing is not supported (it wraps the draft layers, which the TTT loop calls "
+            "once per step each); use gradient_checkpointing=True, which checkpoints each layer's TTT step."
         )
 
 

@@ -150,7 +150,7 @@ class Eagle3Trainer(Trainer):
     * **DDP** (the default): the draft is replicated, the TTT computation runs inside DDP's forward so that
       gradients are averaged; an online target is replicated too.
     * **FSDP2** (``fsdp="full_shard auto_wrap"`` or ``"shard_grad_op auto_wrap"`` in the arguments, or an
-      accelerate config with ``fsdp_version: 2``): accelerate shards the draft (its decoder layer, embedding and
+      accelerate config with ``fsdp_version: 2``): accelerate shards the draft (its decoder layers, embedding and
       head are units of their own) and the TTT computation runs inside the sharded modules' forwards, so gradients
       are reduce-scattered; an online target is sharded layer by layer for forward passes only
       (`shard_frozen_target`, unless it was sharded at load time with `load_target(..., shard=True)`), so each

@@ -15,7 +15,9 @@ Attention at step ``j``: query ``(t, j)`` sees the step-0 keys at positions ``<=
 keys of steps ``1..j`` at position ``t`` only, under one joint softmax. This is exactly what inference-time drafting
 computes when it prefills the pairs up to ``t`` and then feeds its own state back ``j`` times (see
 `tests/test_ttt.py`). The causal block is an ``[S, S]`` score matrix and the other steps add ``j`` diagonal columns
-(``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask.
+(``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask. A deeper draft runs
+all its layers at every step, each attending this way over its own earlier steps' keys/values; layer ``l > 0`` reads
+layer ``l - 1``'s output of the same step.
 
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
 positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S``
@@ -199,10 +201,9 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
 
 
-def _ttt_step(draft: Eagle3DraftModel, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_layer_step` of `draft`'s layer, run through the layer's call (not its methods): a layer sharded by FSDP2
+def _ttt_step(layer: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_layer_step` of one draft layer, run through the layer's call (not its methods): a layer sharded by FSDP2
     gathers its weights and reduces their gradients in the hooks of that call."""
-    layer = draft.midlayer
     with routed_forward(layer, functools.partial(_layer_step, layer)):
         return layer(*tensors)
 
@@ -216,14 +217,15 @@ def _layer_step(
     mask: torch.Tensor,
     *previous: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One TTT step: the draft layer over ``[embeds | hidden]`` attending to the earlier steps' keys/values.
+    """One TTT step of one draft layer (over ``[embeds | hidden]`` for layer 0, over ``hidden``, the layer below's
+    output, for the others) attending to that layer's keys/values of the earlier steps.
 
     `previous` is ``(k_0, v_0, k_1, v_1, ...)`` of the earlier steps, ``[B, kv, S, d]`` each (kv heads, not repeated).
     Returns (layer output ``[B, S, H]``, this step's k and v). A plain-tensor signature so that activation
     checkpointing can recompute it.
     """
     attn = layer.self_attn
-    x, residual = layer.layer_input(embeds, hidden)  # [B, S, 2H], [B, S, H]
+    x, residual = layer.layer_input(embeds, hidden)  # [B, S, 2H] (layer 0) or [B, S, H], and [B, S, H]
     q, k, v = layer.qkv(x, (cos, sin))  # [B, heads, S, d], [B, kv, S, d] x2
     keys = [*previous[0::2], k]
     values = [*previous[1::2], v]
@@ -305,18 +307,21 @@ def ttt_forward(
     mask = draft.causal_mask(batch, seq, 0, attention_mask, compute_dtype, hidden.device)  # [B, 1, S, S]
     positions = torch.arange(seq, device=input_ids.device)[None].expand(batch, seq)
     checkpointing = draft.gradient_checkpointing and draft.training and torch.is_grad_enabled()
-    previous: list[torch.Tensor] = []
+    layers = draft.draft_layers()
+    previous: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: k, v of each earlier step
     logits = []
     for step in range(ttt_length):
         # Teacher forcing: step j at position t reads x_{t+1+j}; positions past the end read id 0 (never supervised).
         embeds = draft.embed_tokens(shift_left(input_ids, 1 + step)).to(dtype)
         cos, sin = draft.rotary_emb(hidden, positions + step)  # RoPE position t + j
-        args = (draft, embeds, hidden, cos, sin, mask, *previous)
-        if checkpointing:
-            out, k, v = draft._gradient_checkpointing_func(_ttt_step, *args)
-        else:
-            out, k, v = _ttt_step(*args)
-        previous += [k, v]
+        out = hidden
+        for layer, earlier in zip(layers, previous):  # each layer its own FSDP call and checkpointed segment
+            args = (layer, embeds, out, cos, sin, mask, *earlier)
+            if checkpointing:
+                out, k, v = draft._gradient_checkpointing_func(_ttt_step, *args)
+            else:
+                out, k, v = _ttt_step(*args)
+            earlier += [k, v]
         normed = draft.norm(out)
         logits.append(normed if return_hidden else draft.lm_head(normed))
         hidden = normed if draft.config.norm_output else out
