@@ -70,12 +70,22 @@ def ref_fuse(w, s, feats):
 
 def ref_layer(w, s, ids, g):
     """Logits and fed-back state at every position of `ids` [B, T], given each position's input state g [B, T, H]."""
-    eps, nh, nkv, d = s["eps"], s["nh"], s["nkv"], s["d"]
-    batch, length = ids.shape
     p = "midlayer."
     e = w["embed_tokens.weight"][ids]
-    hn = rms(g, w[p + "hidden_norm.weight"], eps)
-    a = torch.cat([rms(e, w[p + "input_layernorm.weight"], eps), hn], -1)  # embedding half first
+    hn = rms(g, w[p + "hidden_norm.weight"], s["eps"])
+    a = torch.cat([rms(e, w[p + "input_layernorm.weight"], s["eps"]), hn], -1)  # embedding half first
+    out = ref_block(w, s, p, a, hn if s["nbr"] else g)
+    for i in range(1, s["layers"]):  # vLLM's multi-layer draft: later layers are plain pre-norm layers over H
+        p = f"upper_layers.{i - 1}."
+        out = ref_block(w, s, p, rms(out, w[p + "input_layernorm.weight"], s["eps"]), out)
+    normed = rms(out, w["norm.weight"], s["eps"])
+    return normed @ w["lm_head.weight"].T, (normed if s["norm_output"] else out)
+
+
+def ref_block(w, s, p, a, residual):
+    """Causal attention over the attention input `a` [B, T, 2H or H] plus `residual` [B, T, H], then the MLP."""
+    eps, nh, nkv, d = s["eps"], s["nh"], s["nkv"], s["d"]
+    batch, length = a.shape[:2]
     q = (a @ w[p + "self_attn.q_proj.weight"].T).view(batch, length, nh, d)
     k = (a @ w[p + "self_attn.k_proj.weight"].T).view(batch, length, nkv, d)
     v = (a @ w[p + "self_attn.v_proj.weight"].T).view(batch, length, nkv, d)
@@ -88,12 +98,10 @@ def ref_layer(w, s, ids, g):
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
     attn = (scores.float().softmax(-1) @ v).transpose(1, 2).reshape(batch, length, nh * d)
-    r = (hn if s["nbr"] else g) + attn @ w[p + "self_attn.o_proj.weight"].T
+    r = residual + attn @ w[p + "self_attn.o_proj.weight"].T
     m = rms(r, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
-    out = r + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    normed = rms(out, w["norm.weight"], eps)
-    return normed @ w["lm_head.weight"].T, (normed if s["norm_output"] else out)
+    return r + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
 def check_against_reference(draft, w, s):
@@ -122,7 +130,7 @@ def spec(**overrides):
     s = dict(
         layout="eagle", H=64, Ht=64, nh=4, nkv=2, d=16, I=128, Vd=VD, eps=1e-5, theta=None, linear=1.0,
         head_dim_field=False, fc_norm=False, norm_before_fc=False, nbr=False, norm_output=False, qk_norm=False,
-        layer_type="llama", embed="none", fmt="safetensors", prefix="", taps=None, vocab_map=True,
+        layer_type="llama", embed="none", fmt="safetensors", prefix="", taps=None, vocab_map=True, layers=1,
     )  # fmt: skip
     s.update(overrides)
     return s
@@ -168,6 +176,17 @@ def draft_weights(s, target, seed=0):
         w["input_norm.weight"] = norm(3 * Ht)
     if s["qk_norm"]:
         w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(d), norm(d)
+    for i in range(1, s["layers"]):  # H-wide q/k/v and no hidden_norm above layer 0
+        p = f"upper_layers.{i - 1}."
+        w.update({
+            p + "self_attn.q_proj.weight": lin(nh * d, H), p + "self_attn.k_proj.weight": lin(nkv * d, H),
+            p + "self_attn.v_proj.weight": lin(nkv * d, H), p + "self_attn.o_proj.weight": lin(H, nh * d),
+            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
+            p + "mlp.down_proj.weight": lin(H, inter), p + "input_layernorm.weight": norm(H),
+            p + "post_attention_layernorm.weight": norm(H),
+        })  # fmt: skip
+        if s["qk_norm"]:
+            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(d), norm(d)
     if s["vocab_map"]:
         w["d2t"], w["t2d"] = random_vocab(gen, s["Vd"])
     if s["embed"] == "target":
@@ -180,7 +199,7 @@ def draft_weights(s, target, seed=0):
 def layer_fields(s):
     c = {
         "hidden_size": s["H"], "intermediate_size": s["I"], "num_attention_heads": s["nh"],
-        "num_key_value_heads": s["nkv"], "num_hidden_layers": 1, "vocab_size": V, "rms_norm_eps": s["eps"],
+        "num_key_value_heads": s["nkv"], "num_hidden_layers": s["layers"], "vocab_size": V, "rms_norm_eps": s["eps"],
         "hidden_act": "silu", "max_position_embeddings": 2048, "pad_token_id": 0, "tie_word_embeddings": False,
     }  # fmt: skip
     if s["theta"] is not None:
@@ -228,6 +247,9 @@ def write_checkpoint(folder, config, weights, s):
     for key, tensor in weights.items():
         if s["layout"] == "speculators" and key.startswith("midlayer."):
             key = "layers.0." + key[len("midlayer.") :]
+        elif s["layout"] == "speculators" and key.startswith("upper_layers."):  # layers.{i} is upper_layers.{i-1}
+            index, rest = key[len("upper_layers.") :].split(".", 1)
+            key = f"layers.{int(index) + 1}.{rest}"
         stored[s["prefix"] + key] = tensor.contiguous()
     if s["fmt"] == "bin":
         torch.save(stored, os.path.join(folder, "pytorch_model.bin"))
@@ -255,6 +277,11 @@ CASES = {
         layout="speculators", layer_type="qwen3", qk_norm=True, norm_before_fc=True, norm_output=True, nbr=True,
         head_dim_field=True, d=32, theta=1e6, embed="own", eps=1e-6,
     ),
+    "speculators_llama_2_layers": dict(layout="speculators", layers=2, embed="target", taps=[2, 4, 5]),
+    "speculators_qwen3_3_layers": dict(
+        layout="speculators", layer_type="qwen3", qk_norm=True, norm_output=True, nbr=True, head_dim_field=True,
+        d=32, theta=1e6, embed="own", eps=1e-6, layers=3,
+    ),
 }
 
 
@@ -274,6 +301,7 @@ def test_external_checkpoint_matches_reference_forward(tmp_path, target, case):
     )  # fmt: skip
     if s["taps"] is not None:
         assert c.target_layer_ids == s["taps"]
+    assert c.num_hidden_layers == s["layers"] and len(draft.upper_layers) == s["layers"] - 1
     if s["vocab_map"]:
         assert torch.equal(draft.d2t, w["d2t"]) and torch.equal(draft.t2d, w["t2d"])
     else:  # Vd == V without a mapping: identity
@@ -341,6 +369,7 @@ def assert_same_draft(a, b):
         ("eagle", dict(fc_norm=True, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5}),
          torch.float32),
         ("eagle", dict(), torch.bfloat16),
+        ("speculators", dict(num_hidden_layers=3, norm_before_residual=True), torch.bfloat16),
     ],
 )  # fmt: skip
 def test_round_trip_through_external_layout_is_bit_exact(tmp_path, target, to, overrides, dtype):
@@ -392,6 +421,50 @@ def test_exported_files_follow_the_external_layouts(tmp_path, target):
     assert spec_cfg["speculators_model_type"] == "eagle3" and spec_cfg["architectures"] == ["Eagle3Speculator"]
     assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert spec_cfg["speculators_config"]["proposal_methods"][0]["proposal_type"] == "greedy"
+
+
+def test_deeper_draft_files_in_each_layout(tmp_path, target):
+    draft = randomized_draft(target, num_hidden_layers=3)
+    draft.save_pretrained(tmp_path / "native")
+    assert json.loads((tmp_path / "native" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert_same_draft(draft, Eagle3DraftModel.from_pretrained(tmp_path / "native"))
+    save_speculators(draft, tmp_path / "spec")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "spec" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_slice("layers.2.self_attn.q_proj.weight").get_shape() == [64, 64]  # H wide above layer 0
+        assert f.get_slice("layers.0.self_attn.q_proj.weight").get_shape() == [64, 128]
+    assert {k.split(".")[1] for k in keys if k.startswith("layers.")} == {"0", "1", "2"}
+    assert not any(k.startswith(("midlayer.", "upper_layers.")) for k in keys)
+    assert "layers.0.hidden_norm.weight" in keys and "layers.1.hidden_norm.weight" not in keys
+    spec_cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert spec_cfg["transformer_layer_config"]["num_hidden_layers"] == 3
+    assert_same_draft(draft, Eagle3DraftModel.from_pretrained(tmp_path / "spec"))
+    refusal = r"official/SpecForge layout cannot express.*num_hidden_layers=3 \(it holds one decoder layer; save"
+    with pytest.raises(ValueError, match=refusal + " a deeper draft in the native or speculators layout"):
+        save_eagle(draft, tmp_path / "eagle")
+    assert not (tmp_path / "eagle").exists()  # refused before anything is written
+
+
+def test_external_depth_is_checked_against_the_weights(tmp_path, target):
+    with pytest.raises(ValueError, match=r"num_hidden_layers=2; drafts in this layout have exactly 1 decoder layer"):
+        Eagle3DraftModel.from_pretrained(make_checkpoint(tmp_path, target, "eagle2", layers=2)[0], target=target)
+
+    def speculators(name, layers, stated):
+        s = spec(layout="speculators", layers=layers, embed="target")
+        config = external_config(s)
+        config["transformer_layer_config"]["num_hidden_layers"] = stated
+        return write_checkpoint(tmp_path / name, config, draft_weights(s, target), s)
+
+    short = r"num_hidden_layers=3, but its weights hold decoder layer\(s\) \[0, 1\] \(layers.\{i\}.\* / midlayer.\*\)"
+    with pytest.raises(ValueError, match=short + ": expected layers 0..2"):
+        Eagle3DraftModel.from_pretrained(speculators("short", 2, 3))
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1, but its weights hold decoder layer\(s\) \[0, 1\]"):
+        Eagle3DraftModel.from_pretrained(speculators("long", 2, 1))
+    for bad in (0, "2"):
+        with pytest.raises(ValueError, match=rf"num_hidden_layers={bad!r}; expected an integer >= 1"):
+            Eagle3DraftModel.from_pretrained(speculators(f"bad{bad}", 1, bad))
 
 
 def test_sharded_checkpoint_and_missing_shard(tmp_path, target):

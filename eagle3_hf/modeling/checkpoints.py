@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
+from eagle3_hf.modeling.layer_keys import check_layers_present
 from eagle3_hf.modeling.layouts import (
     CONFIG_NAME,
     EMBED_KEY,
@@ -135,7 +136,10 @@ def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: st
             _check_native_keys(config, source)
             return Eagle3DraftConfig.from_dict(config)
         fields = speculators_config_kwargs(config) if layout == SPECULATORS else eagle_config_kwargs(config, keys)
-        return Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
+        draft_config = Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
+        # Name a depth the weights do not hold in layers (not as a list of missing or unexpected weights).
+        check_layers_present(draft_config.num_hidden_layers, keys, f"{layout} layout")
+        return draft_config
     except (TypeError, ValueError) as err:
         raise ValueError(f"{source}: invalid draft config: {err}") from err
 
@@ -203,7 +207,8 @@ def _check_state_dict(
     if wrong:
         problems.append("wrong shape(s): " + "; ".join(wrong))
     if problems:
-        flags = {k: getattr(config, k) for k in ("layer_type", "norm_before_fc", "fc_norm", "attention_bias")}
+        flags = {k: getattr(config, k) for k in ("layer_type", "num_hidden_layers", "norm_before_fc", "fc_norm",
+                                                 "attention_bias")}  # fmt: skip
         raise ValueError(f"{source} does not match its config {flags}: " + " | ".join(problems) + ".")
     from eagle3_hf.modeling.vocab_mapping import validate_vocab_mapping
 

@@ -4,10 +4,11 @@ Three checkpoint layouts exist in the wild (details in the design notes, referen
 
 * ``native``: our `Eagle3DraftConfig` (model_type ``eagle3_draft``) and the model's own state-dict keys.
 * ``eagle``: the official SafeAILab checkpoints and SpecForge exports: a one-layer Llama config with
-  ``draft_vocab_size`` and weights under ``midlayer.*``. SpecForge adds ``fc_norm``, ``head_dim``, rope fields,
-  ``target_hidden_size`` and tap ids in the output-of-layer convention (ours minus one).
+  ``draft_vocab_size`` and weights under ``midlayer.*`` (one decoder layer only). SpecForge adds ``fc_norm``,
+  ``head_dim``, rope fields, ``target_hidden_size`` and tap ids in the output-of-layer convention (ours minus one).
 * ``speculators``: vLLM's speculators: ``speculators_model_type`` + a nested ``transformer_layer_config``, norm
-  flags, tap ids in our (input-of-layer) convention, weights under ``layers.0.*``.
+  flags, tap ids in our (input-of-layer) convention, weights under ``layers.{i}.*`` for its
+  ``transformer_layer_config.num_hidden_layers`` layers (``layers.0`` is our ``midlayer``, see `layer_keys`).
 
 This module maps dictionaries and writes the external layouts (`save_speculators`, `save_eagle`); reading files and
 loading a draft from any layout lives in `eagle3_hf.modeling.checkpoints`.
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 from eagle3_hf.modeling.identity import is_hub_id, target_identity  # noqa: F401  (is_hub_id: re-exported)
+from eagle3_hf.modeling.layer_keys import from_numbered, to_numbered
 
 NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
 LAYOUTS = (NATIVE, SPECULATORS, EAGLE)
@@ -42,14 +44,13 @@ EMBED_KEY = "embed_tokens.weight"
 
 
 def normalize_key(key: str) -> str:
-    """Map an external weight name to our state-dict name: strip wrapper prefixes, ``layers.0.`` -> ``midlayer.``."""
+    """Map an external weight name to our state-dict name: strip wrapper prefixes, ``layers.0.`` -> ``midlayer.``,
+    ``layers.{i}.`` -> ``upper_layers.{i-1}.``."""
     for prefix in _KEY_PREFIXES:
         if key.startswith(prefix):
             key = key[len(prefix) :]
             break
-    if key.startswith("layers.0."):
-        key = "midlayer." + key[len("layers.0.") :]
-    return key
+    return from_numbered(key)
 
 
 def detect_layout(config: dict[str, Any], keys: Iterable[str]) -> str:
@@ -125,14 +126,18 @@ def rope_parameters_from(config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _layer_fields(config: dict[str, Any], where: str) -> dict[str, Any]:
-    """The single layer's shape from a flat Llama/Qwen3-style config."""
+def _layer_fields(config: dict[str, Any], where: str, deep: bool = False) -> dict[str, Any]:
+    """The layers' shape from a flat Llama/Qwen3-style config; `deep`: the layout may hold more than one layer."""
     _required(config, ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"), where)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     depth = config.get("num_hidden_layers", 1)
-    if depth != 1:
-        raise ValueError(f"The {where} config has num_hidden_layers={depth}; EAGLE-3 drafts have exactly 1 layer.")
+    if deep and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+        raise ValueError(f"The {where} config has num_hidden_layers={depth!r}; expected an integer >= 1.")
+    if not deep and depth != 1:
+        raise ValueError(f"The {where} config has num_hidden_layers={depth}; drafts in this layout have exactly 1 "
+                         "decoder layer.")  # fmt: skip
     return {
+        "num_hidden_layers": depth,
         "vocab_size": int(config["vocab_size"]),
         "hidden_size": hidden,
         "intermediate_size": int(config["intermediate_size"]),
@@ -181,7 +186,7 @@ def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             f"transformer_layer_config.model_type={layer_type!r} is not supported; expected one of "
             f"{list(SPECULATORS_LAYER_TYPES)}."
         )
-    fields = _layer_fields(layer, "speculators transformer_layer_config")
+    fields = _layer_fields(layer, "speculators transformer_layer_config", deep=True)
     fields["layer_type"] = layer_type
     fields["attention_bias"] = bool(layer.get("attention_bias", False))
     fields["mlp_bias"] = bool(layer.get("mlp_bias", False))
@@ -215,6 +220,9 @@ def check_exportable(config: Eagle3DraftConfig, layout: str) -> None:
     if config.layer_config_overrides:
         problems.append(f"layer_config_overrides={config.layer_config_overrides}")
     if layout == EAGLE:
+        if config.num_hidden_layers != 1:
+            problems.append(f"num_hidden_layers={config.num_hidden_layers} (it holds one decoder layer; save a deeper "
+                            "draft in the native or speculators layout)")  # fmt: skip
         if config.layer_type != "llama":
             problems.append(f"layer_type={config.layer_type!r} (the layout builds a Llama layer)")
         for flag in ("norm_before_residual", "norm_before_fc", "norm_output"):
@@ -236,7 +244,7 @@ def _common_fields(config: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": config.num_hidden_layers,
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": theta,
@@ -317,14 +325,13 @@ def speculators_config_dict(
 # writing files
 
 
-def _export_tensors(draft: Any, include_embedding: bool, midlayer_prefix: str) -> dict[str, torch.Tensor]:
+def _export_tensors(draft: Any, include_embedding: bool, numbered: bool) -> dict[str, torch.Tensor]:
+    """The draft's tensors under the layout's names: ours, or with `numbered` layers ``layers.{i}.*``."""
     tensors = {}
     for key, tensor in draft.state_dict().items():
         if key == EMBED_KEY and not include_embedding:
             continue
-        if key.startswith("midlayer."):
-            key = midlayer_prefix + key[len("midlayer.") :]
-        tensors[key] = tensor.detach().cpu().contiguous()
+        tensors[to_numbered(key) if numbered else key] = tensor.detach().cpu().contiguous()
     return tensors
 
 
@@ -359,7 +366,7 @@ def save_speculators(
     target_id: str | None = None,
     embedding: torch.Tensor | None = None,
 ) -> None:
-    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.0.*`` weights, safetensors).
+    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.{i}.*`` weights, safetensors).
 
     The embedding is always written: speculators fills a missing one with zeros without a word. A draft without
     one raises `ValueError` (load it with its target). `embedding` (the target's own input embedding) is written in
@@ -378,7 +385,7 @@ def save_speculators(
     config = speculators_config_dict(
         draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth, target_id=target_id
     )
-    tensors = _export_tensors(draft, True, "layers.0.")
+    tensors = _export_tensors(draft, True, numbered=True)
     if embedding is not None:
         if tuple(embedding.shape) != tuple(tensors[EMBED_KEY].shape):
             raise ValueError(
@@ -393,8 +400,9 @@ def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool =
     """Write `draft` in the official SafeAILab / SpecForge layout (``LlamaForCausalLMEagle3``, ``midlayer.*``).
 
     Like the official training code, the embedding is left out unless `include_embedding`. Raises `ValueError` for
-    a draft the layout cannot express (norm_before_residual, norm_before_fc, norm_output, a non-Llama layer) and for
-    one whose hidden size differs from the target's without its own embedding (the target's cannot stand in).
+    a draft the layout cannot express (more than one decoder layer, norm_before_residual, norm_before_fc,
+    norm_output, a non-Llama layer) and for one whose hidden size differs from the target's without its own
+    embedding (the target's cannot stand in).
     """
     include = resolve_include_embedding(draft, include_embedding)
     config = draft.config
@@ -405,4 +413,4 @@ def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool =
             "include_embedding=True."
         )
     out_config = eagle_config_dict(config, _dtype_name(draft), include)
-    _write(out_dir, out_config, _export_tensors(draft, include, "midlayer."))
+    _write(out_dir, out_config, _export_tensors(draft, include, numbered=False))
