@@ -250,8 +250,10 @@ def test_train_help(capsys):
         cli_main(["train", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--target", "--data", "--max-steps", "--ttt-length", "--init-draft", "--resume", "--dtype"):
+    for flag in ("--target", "--data", "--max-steps", "--ttt-length", "--init-draft", "--resume", "--dtype",
+                 "--num-hidden-layers"):  # fmt: skip
         assert flag in help_text
+    assert "the draft's own decoder layers (not the target's)" in " ".join(help_text.split())
 
 
 def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
@@ -316,6 +318,37 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(tmp_path / "x"),
                      "--max-steps", "1", "--draft-vocab-size", "auto"]) == 2  # fmt: skip
     assert "pass --vocab FILE" in capsys.readouterr().err
+
+
+def test_train_command_draft_depth_fresh_grown_and_never_shrunk(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    common = ["train", "--target", str(folder), "--data", str(data), "--max-steps", "1", "--ttt-length", "2"]
+    two = tmp_path / "two"
+    assert cli_main(common + ["--output", str(two), "--draft-vocab-size", "48", "--num-hidden-layers", "2"]) == 0
+    draft = Eagle3DraftModel.from_pretrained(str(two))
+    assert draft.config.num_hidden_layers == 2 and draft.config.draft_vocab_size == 48
+    assert "| draft decoder layers | 2 |" in (two / "README.md").read_text()
+    capsys.readouterr()
+    three = tmp_path / "three"
+    assert cli_main(common + ["--output", str(three), "--init-draft", str(two), "--num-hidden-layers", "3",
+                              "--learning-rate", "0"]) == 0  # fmt: skip
+    assert "Grew the draft from 2 to 3 decoder layers" in capsys.readouterr().out
+    grown = Eagle3DraftModel.from_pretrained(str(three))
+    assert grown.config.num_hidden_layers == 3 and torch.equal(grown.t2d, draft.t2d)
+    state = grown.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in draft.state_dict().items())  # learning rate 0: kept as they were
+    assert not state["upper_layers.1.self_attn.o_proj.weight"].any()  # the new layer starts as the identity
+    assert not state["upper_layers.1.mlp.down_proj.weight"].any()
+    again = tmp_path / "again"  # no --num-hidden-layers: the init draft's depth
+    assert cli_main(common + ["--output", str(again), "--init-draft", str(three)]) == 0
+    assert Eagle3DraftModel.from_pretrained(str(again)).config.num_hidden_layers == 3
+    capsys.readouterr()
+    assert cli_main(common + ["--output", str(tmp_path / "x"), "--init-draft", str(two),
+                              "--num-hidden-layers", "1"]) == 2  # fmt: skip
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # one line, after the progress bars
+    assert "--num-hidden-layers 1 is below the depth of --init-draft" in last and "(2 decoder layers)" in last
+    assert cli_main(common + ["--output", str(tmp_path / "y"), "--num-hidden-layers", "0"]) == 2
+    assert "--num-hidden-layers must be >= 1" in capsys.readouterr().err
 
 
 def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp_path, capsys):

@@ -62,6 +62,12 @@ class TrainCommandArguments:
         metadata={"help": "offline features of held-out conversations (`eagle3-hf features --split held-out`), "
                           "evaluated every --eval-steps"},
     )  # fmt: skip
+    num_hidden_layers: int | None = field(
+        default=None,
+        metadata={"help": "the draft's own decoder layers (not the target's): a fresh draft's depth (default 1, "
+                          "EAGLE-3's); with --init-draft, a larger value grows it by layers that start as the "
+                          "identity (default: keep its depth)"},
+    )  # fmt: skip
     init_from_target: bool = field(
         default=True, metadata={"help": "start a fresh draft's head from the target's head rows and final norm "
                                         "(--no-init-from-target: random)"},
@@ -209,6 +215,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
     if args.eval_steps and args.features is not None and not args.eval_features:
         raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
+    if args.num_hidden_layers is not None and args.num_hidden_layers < 1:
+        raise ValueError(f"--num-hidden-layers must be >= 1 (the draft's layers), got {args.num_hidden_layers}.")
     if args.dtype != "float32" and (args.bf16 or args.fp16):
         raise ValueError(f"--dtype {args.dtype} sets the mixed precision itself; leave out --bf16/--fp16.")
     check_output_dir(args.output_dir, args.overwrite_output_dir or args.resume, "--output-dir", resumable=True)
@@ -318,12 +326,13 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
 
 
 def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: dict[str, Any]) -> Any:
-    """A fresh draft for `target` (its vocabulary, target-derived init), or `--init-draft` (remapped if asked).
+    """A fresh draft for `target` (its vocabulary, target-derived init), or `--init-draft` (remapped, grown if asked).
 
     `vocab_rows` is the offline features, or every tokenised conversation (see `_data`)."""
     import torch
 
     from eagle3_hf import Eagle3DraftModel
+    from eagle3_hf.modeling.depth import grow_draft_layers
     from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
 
     vocab_size = target.config.get_text_config().vocab_size
@@ -335,9 +344,18 @@ def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: di
                 torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
             shared = remap_draft_vocab(draft, d2t, t2d)
             say(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
+        depth, own = args.num_hidden_layers, draft.config.num_hidden_layers
+        if depth is not None and depth < own:
+            raise ValueError(f"--num-hidden-layers {depth} is below the depth of --init-draft {args.init_draft} "
+                             f"({own} decoder layers): a draft can grow, never shrink.")  # fmt: skip
+        if depth is not None and depth > own:
+            draft = grow_draft_layers(draft, depth)
+            say(f"Grew the draft from {own} to {depth} decoder layers (the new ones start as the identity).")
         return draft
     vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
     size = vocab.draft_vocab_size if vocab is not None else None
+    if args.num_hidden_layers is not None:
+        overrides = {**overrides, "num_hidden_layers": args.num_hidden_layers}
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
     if vocab is not None:
         draft.set_draft_vocab(vocab.d2t, vocab.t2d)  # before the head copy: it picks the rows by these ids

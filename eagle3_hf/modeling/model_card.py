@@ -84,6 +84,7 @@ def build_model_card(
         "target_layer_ids": config.get("target_layer_ids"),
         "draft_vocab_size": config.get("draft_vocab_size"),
         "vocab_size": config.get("vocab_size"),
+        "num_hidden_layers": config.get("num_hidden_layers") or 1,  # the draft's depth (configs before it: 1)
         "repo_hint": "path/to/this/draft",
         **{k: v for k, v in info.items() if v is not None},
         **{k: v for k, v in text.items() if v is not None},

@@ -7,7 +7,8 @@ copy happens only where the shapes match; otherwise it is skipped with a log lin
 drafts whose width differs from the target's.
 
 `init_head_from_target` copies the head and the final norm; `init_layer_from_target` (separate, off by default)
-copies a target decoder layer's MLP, attention output projection and norms into the draft's layer;
+copies a target decoder layer's MLP, attention output projection and norms into the draft's first layer (a deeper
+draft's other layers keep their initialisation);
 `remap_draft_vocab` moves a trained draft to another vocabulary: shared tokens keep their rows, new ones start at zero.
 """
 
@@ -84,7 +85,8 @@ def init_head_from_target(draft: Any, target: PreTrainedModel) -> list[str]:
 
 
 def init_layer_from_target(draft: Any, target: PreTrainedModel, layer_index: int = -1) -> list[str]:
-    """Copy target decoder layer `layer_index`'s MLP, attention ``o_proj`` and norms into the draft's layer.
+    """Copy target decoder layer `layer_index`'s MLP, attention ``o_proj`` and norms into the draft's first layer
+    (``midlayer``); the upper layers of a deeper draft are left as they are.
 
     The draft's ``input_layernorm`` (over the token embedding) and ``hidden_norm`` (over the fused state) both take
     the target layer's ``input_layernorm``; q/k/v are not copied (the draft's are twice as wide). Returns the names
