@@ -1,6 +1,7 @@
 """Two-process worker for tests/test_fsdp.py (launched by `accelerate launch` or torchrun; not a test module).
 
     worker.py train OUTPUT        FSDP2 training checks on the tiny target; rank 0 prints one JSON line
+    worker.py depth OUTPUT        3 FSDP2 steps of a 2-layer draft: its losses and which layers are FSDP units
     worker.py cli OUTPUT ARGV...  run `eagle3-hf` commands (each ARGV a JSON list) in these processes
 
 `train` runs, under an accelerate FSDP2 config (full state dict checkpoints):
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.training.distributed import fsdp_memory_per_process, parameter_bytes
+from eagle3_hf.training.distributed import fsdp_memory_per_process, is_fsdp2_module, parameter_bytes
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
 from trainer_callbacks import StopAt
 
@@ -46,9 +47,9 @@ def training_args(output_dir, **overrides):
     return Eagle3TrainingArguments(**values)
 
 
-def new_draft(target, dataset):
+def new_draft(target, dataset, **config_overrides):
     torch.manual_seed(0)
-    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=48)
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=48, **config_overrides)
     install_draft_vocab(draft, dataset)
     return draft
 
@@ -99,11 +100,22 @@ def run_training(out: pathlib.Path) -> dict:
     return summary
 
 
+def run_depth(out: pathlib.Path) -> dict:
+    target, dataset = tiny.make_tiny_target(), tiny.synthetic_dataset()
+    args = training_args(out, max_steps=3, save_strategy="no")
+    trainer = Eagle3Trainer(new_draft(target, dataset, num_hidden_layers=2), args, target=target,
+                            train_dataset=dataset)  # fmt: skip
+    trainer.train()
+    return {"losses": losses(trainer), "units": [is_fsdp2_module(layer) for layer in trainer.model.draft_layers()]}
+
+
 def main() -> int:
     torch.set_num_threads(1)
     mode, out = sys.argv[1], pathlib.Path(sys.argv[2])
     if mode == "train":
         summary = run_training(out)
+    elif mode == "depth":
+        summary = run_depth(out)
     else:
         summary = {"codes": [cli_main(json.loads(argv)) for argv in sys.argv[3:]]}
     if dist.get_rank() == 0:

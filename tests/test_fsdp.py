@@ -107,6 +107,24 @@ def test_fsdp_training_equals_one_process_resumes_and_saves_a_loadable_draft(tmp
     assert summary["reload_equal"] and summary["lossless"]
 
 
+def test_fsdp_trains_a_deeper_draft_as_one_process_does(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(ACCELERATE_FSDP_CONFIG)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), str(WORKER), "depth", str(tmp_path / "runs")]  # fmt: skip
+    summary = launch(command, tmp_path)
+    assert summary["units"] == [True, True]  # each decoder layer is an FSDP unit, gathered around its own TTT calls
+    target, dataset = worker.tiny.make_tiny_target(), worker.tiny.synthetic_dataset()
+    args = worker.training_args(tmp_path / "single", max_steps=3, gradient_accumulation_steps=2, save_strategy="no")
+    single = Eagle3Trainer(worker.new_draft(target, dataset, num_hidden_layers=2), args, target=target,
+                           train_dataset=dataset)  # fmt: skip
+    single.train()
+    expected, sharded = worker.losses(single), by_step(summary["losses"])
+    assert sharded.keys() == expected.keys() == {1, 2, 3}
+    for step, loss in expected.items():
+        assert sharded[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+
 def test_features_in_two_processes_equal_one_process_and_train_cli_under_fsdp(chat_target, tmp_path):
     folder, data = chat_target
     common = ["features", "--target", str(folder), "--data", str(data), "--shard-size", "3",
