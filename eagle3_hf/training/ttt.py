@@ -17,7 +17,7 @@ computes when it prefills the pairs up to ``t`` and then feeds its own state bac
 `tests/test_ttt.py`). The causal block is an ``[S, S]`` score matrix and the other steps add ``j`` diagonal columns
 (``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask. A deeper draft runs
 all its layers at every step, each attending this way over its own earlier steps' keys/values; layer ``l > 0`` reads
-layer ``l - 1``'s output of the same step.
+layer ``l - 1``'s output of the same step (one layer's step: `eagle3_hf.training.ttt_layer`).
 
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
 positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S``
@@ -35,16 +35,14 @@ out-of-vocabulary positions need them, so training runs the head inside the loss
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.training.distributed import routed_forward
+from eagle3_hf.training.ttt_layer import routed_layer_step
 
 __all__ = [
     "TTTOutput",
@@ -162,86 +160,6 @@ def _sparse_targets(
     return top, in_vocab, columns, p
 
 
-def _joint_attention(
-    q: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    mask: torch.Tensor,
-    scaling: float,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Attention of q ``[B, h, S, d]`` over the causal keys ``keys[0]`` ``[B, h, S, d]`` and the diagonal keys.
-
-    `keys[1:]` (steps 1..j) are seen only at the query's own position: their scores are ``(q * k_i).sum(-1)``, appended
-    as extra columns ``[B, h, S, j]`` before one softmax. `mask` is the additive ``[B, 1, S, S]`` causal/padding mask.
-    Returns ``[B, h, S, d]``.
-    """
-    scores = torch.matmul(q, keys[0].transpose(-1, -2))  # [B, h, S, S]
-    if len(keys) > 1:
-        diagonal = torch.stack([(q * k).sum(-1) for k in keys[1:]], dim=-1)  # [B, h, S, j]
-        scores = torch.cat([scores, diagonal], dim=-1)  # [B, h, S, S+j]
-    scores = scores * scaling
-    if softcap is not None:  # Gemma-style logit soft-capping, as the family's eager attention does
-        scores = torch.tanh(scores / softcap) * softcap
-    if len(keys) > 1:
-        mask = torch.nn.functional.pad(mask, (0, len(keys) - 1))  # the diagonal columns are always visible
-    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(values[0].dtype)
-    seq = keys[0].shape[-2]
-    out = torch.matmul(probs[..., :seq], values[0])  # [B, h, S, d]
-    for i, v in enumerate(values[1:]):
-        out = out + probs[..., seq + i, None] * v
-    return out
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[B, kv, S, d]`` -> ``[B, kv*groups, S, d]`` (GQA: each kv head serves `groups` query heads)."""
-    if groups == 1:
-        return x
-    b, kv, s, d = x.shape
-    return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
-
-
-def _ttt_step(layer: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_layer_step` of one draft layer, run through the layer's call (not its methods): a layer sharded by FSDP2
-    gathers its weights and reduces their gradients in the hooks of that call."""
-    with routed_forward(layer, functools.partial(_layer_step, layer)):
-        return layer(*tensors)
-
-
-def _layer_step(
-    layer: nn.Module,
-    embeds: torch.Tensor,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: torch.Tensor,
-    *previous: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One TTT step of one draft layer (over ``[embeds | hidden]`` for layer 0, over ``hidden``, the layer below's
-    output, for the others) attending to that layer's keys/values of the earlier steps.
-
-    `previous` is ``(k_0, v_0, k_1, v_1, ...)`` of the earlier steps, ``[B, kv, S, d]`` each (kv heads, not repeated).
-    Returns (layer output ``[B, S, H]``, this step's k and v). A plain-tensor signature so that activation
-    checkpointing can recompute it.
-    """
-    attn = layer.self_attn
-    x, residual = layer.layer_input(embeds, hidden)  # [B, S, 2H] (layer 0) or [B, S, H], and [B, S, H]
-    q, k, v = layer.qkv(x, (cos, sin))  # [B, heads, S, d], [B, kv, S, d] x2
-    keys = [*previous[0::2], k]
-    values = [*previous[1::2], v]
-    groups = attn.num_key_value_groups
-    out = _joint_attention(
-        q,
-        [_repeat_kv(t, groups) for t in keys],
-        [_repeat_kv(t, groups) for t in values],
-        mask,
-        attn.scaling,
-        getattr(attn, "attn_logit_softcapping", None),
-    )
-    out = out.transpose(1, 2).reshape(*embeds.shape[:-1], -1)  # [B, S, heads*d]
-    return layer.finish(residual, attn.o_proj(out)), k, v
-
-
 def ttt_forward(
     draft: Eagle3DraftModel,
     input_ids: torch.Tensor,
@@ -318,9 +236,9 @@ def ttt_forward(
         for layer, earlier in zip(layers, previous):  # each layer its own FSDP call and checkpointed segment
             args = (layer, embeds, out, cos, sin, mask, *earlier)
             if checkpointing:
-                out, k, v = draft._gradient_checkpointing_func(_ttt_step, *args)
+                out, k, v = draft._gradient_checkpointing_func(routed_layer_step, *args)
             else:
-                out, k, v = _ttt_step(*args)
+                out, k, v = routed_layer_step(*args)
             earlier += [k, v]
         normed = draft.norm(out)
         logits.append(normed if return_hidden else draft.lm_head(normed))
