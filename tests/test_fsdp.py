@@ -58,16 +58,21 @@ def launch(command: list[str], cwd: pathlib.Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def accelerate_launch(mode: str, tmp_path: pathlib.Path) -> dict:
+    """The worker's `mode` in 2 processes under `accelerate launch` with the FSDP config above."""
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(ACCELERATE_FSDP_CONFIG)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--main_process_port", str(free_port()), str(WORKER), mode, str(tmp_path / "runs")]  # fmt: skip
+    return launch(command, tmp_path)
+
+
 def by_step(losses: dict) -> dict[int, float]:
     return {int(step): loss for step, loss in losses.items()}
 
 
 def test_fsdp_training_equals_one_process_resumes_and_saves_a_loadable_draft(tmp_path):
-    config = tmp_path / "fsdp.yaml"
-    config.write_text(ACCELERATE_FSDP_CONFIG)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--main_process_port", str(free_port()), str(WORKER), "train", str(tmp_path / "runs")]  # fmt: skip
-    summary = launch(command, tmp_path)
+    summary = accelerate_launch("train", tmp_path)
 
     # One process on the same global batch: 4 rows a step, as 2 accumulated micro-batches of the 2 rows each FSDP
     # process took (the loss is a mean per micro-batch, as it is per process: the two agree however many positions
@@ -108,11 +113,7 @@ def test_fsdp_training_equals_one_process_resumes_and_saves_a_loadable_draft(tmp
 
 
 def test_fsdp_trains_a_deeper_draft_as_one_process_does(tmp_path):
-    config = tmp_path / "fsdp.yaml"
-    config.write_text(ACCELERATE_FSDP_CONFIG)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--main_process_port", str(free_port()), str(WORKER), "depth", str(tmp_path / "runs")]  # fmt: skip
-    summary = launch(command, tmp_path)
+    summary = accelerate_launch("depth", tmp_path)
     assert summary["units"] == [True, True]  # each decoder layer is an FSDP unit, gathered around its own TTT calls
     target, dataset = worker.tiny.make_tiny_target(), worker.tiny.synthetic_dataset()
     args = worker.training_args(tmp_path / "single", max_steps=3, gradient_accumulation_steps=2, save_strategy="no")
