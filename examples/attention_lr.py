@@ -1,0 +1,147 @@
+"""Does the draft's attention learn faster with a larger learning rate on its query and key projections?
+
+The shipped SmolLM2 draft's first-layer attention is diffuse (`examples/copy_analysis.py --attention`: a query's
+largest weight averages 0.2-0.36 per head, its own position gets under 0.02), it copies from its context far less
+often than the target does, and its q/k weights moved the least from their initial scale (RMS 0.025-0.027 against
+0.02 at initialisation; the MLP's 0.031-0.034). Adam moves every weight by about the learning rate per step whatever
+the gradient's size, so a larger learning rate on `q_proj`/`k_proj` alone is the direct test of "the attention is
+under-trained". This script continues a draft on regenerated conversations (online target features and
+logits, TTT, the train command's AdamW settings: betas 0.9/0.95, no weight decay, clipping 0.5; 20 warmup steps
+then a constant rate; batch 2 x 2 accumulated) with `--qk-lr-scale` times the learning rate on those projections,
+for a budget of process CPU seconds, and every `--eval-every` steps writes a JSON line: step-0 accuracy against the
+target's full-vocabulary top token on the first `--eval-conversations` conversations of `--eval`, the mean
+running training step-0 accuracy, and the mean largest attention weight of a query (how sharp the attention is).
+
+Usage (one thread per run; `regen_*` folders from the archives in examples/data):
+
+    python examples/attention_lr.py --draft eagle3_hf/drafts/smollm2-135m-instruct \
+        --data work_data/regen_sharegpt --eval work_data/regen_mtbench --qk-lr-scale 10 \
+        --cpu-seconds 1200 --output examples/results/attention_lr/qk10.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+from eagle3_hf.hub import load_draft_for
+from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.training.split import split_filter
+from eagle3_hf.training.trainer import Eagle3DataCollator
+from eagle3_hf.training.ttt import ttt_forward, ttt_loss
+
+
+def sharpness(draft, ids: torch.Tensor, features: torch.Tensor, attention_mask: torch.Tensor) -> float:
+    """Mean over heads and queries (from the 65th token on) of a query's largest first-layer attention weight."""
+    from copy_analysis import step0_attention  # examples/ is on sys.path when this script runs
+
+    probs = step0_attention(draft, ids, features.float(), attention_mask)  # [1, heads, S, S]
+    return probs[0, :, 64:].max(dim=-1).values.mean().item()
+
+
+@torch.no_grad()
+def evaluate(draft, target, rows: list[dict], collate) -> dict:
+    draft.eval()
+    right = total = 0.0
+    sharp = []
+    for row in rows:
+        batch = collate([row])
+        ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        out = target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        features = draft.target_features(out.hidden_states)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            states = ttt_forward(draft, ids, features, attention_mask, 1, return_hidden=True)
+            result = ttt_loss(states, out.logits.float(), batch["loss_mask"].float(), draft.t2d, head=draft.lm_head)
+        weight = float(batch["loss_mask"][:, 2:].sum())  # the row's supervised step-0 positions
+        right += float(result.step_accuracy[0]) * weight
+        total += weight
+        sharp.append(sharpness(draft, ids, features, attention_mask))
+    draft.train()
+    return {
+        "eval_acc0": round(right / max(total, 1.0), 4),
+        "attention_largest_weight": round(sum(sharp) / len(sharp), 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--draft", required=True, help="the draft folder to continue")
+    parser.add_argument("--data", required=True, help="training conversations (their train split is used)")
+    parser.add_argument("--eval", required=True, help="evaluation conversations answered by the target")
+    parser.add_argument("--eval-conversations", type=int, default=20)
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--qk-lr-scale", type=float, default=1.0, help="learning rate factor on q_proj/k_proj")
+    parser.add_argument("--cpu-seconds", type=float, default=1200, help="process CPU time for training")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    parser.add_argument("--ttt-length", type=int, default=7)
+    parser.add_argument("--max-length", type=int, default=384)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", required=True, help="JSON lines, one per evaluation")
+    args = parser.parse_args()
+    if args.qk_lr_scale <= 0:
+        parser.error(f"--qk-lr-scale must be positive, got {args.qk_lr_scale}")
+    torch.set_num_threads(1)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    _, train_rows, _ = load_tokenised_data(args.target, [args.data], args.max_length, None, split_filter("train"))
+    _, eval_rows, _ = load_tokenised_data(args.target, [args.eval], 1024, args.eval_conversations)
+    train_rows, eval_rows = list(train_rows), list(eval_rows)
+    target = load_target(args.target, dtype=torch.bfloat16).eval()
+    draft = load_draft_for(args.target, target, args.draft).float()
+    collate = Eagle3DataCollator(pad_token_id=0)
+    attention = [p for n, p in draft.named_parameters() if p.requires_grad and ("q_proj" in n or "k_proj" in n)]
+    rest = [p for n, p in draft.named_parameters() if p.requires_grad and not ("q_proj" in n or "k_proj" in n)]
+    base_lrs = (args.learning_rate, args.learning_rate * args.qk_lr_scale)
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": attention}], lr=args.learning_rate,
+                                  betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
+
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    log = open(args.output, "a", encoding="utf-8")
+
+    def record(**fields) -> None:
+        line = {"qk_lr_scale": args.qk_lr_scale, **fields, **evaluate(draft, target, eval_rows, collate)}
+        print(json.dumps(line), file=log, flush=True)
+        print(json.dumps(line), flush=True)
+
+    record(step=0, train_cpu_s=0)
+    order = list(range(len(train_rows)))
+    random.shuffle(order)
+    start, step, cursor, accuracies = time.process_time(), 0, 0, []
+    while time.process_time() - start < args.cpu_seconds:
+        for group, lr in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = lr * min(1.0, (step + 1) / 20)  # warmup, then constant
+        for _ in range(2):  # 2 micro-batches of 2 conversations
+            batch = collate([train_rows[order[(cursor + i) % len(order)]] for i in range(2)])
+            cursor += 2
+            with torch.no_grad():
+                out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             output_hidden_states=True, use_cache=False)  # fmt: skip
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                states = ttt_forward(draft, batch["input_ids"], draft.target_features(out.hidden_states),
+                                     batch["attention_mask"], args.ttt_length, return_hidden=True)  # fmt: skip
+                result = ttt_loss(states, out.logits.float(), batch["loss_mask"].float(), draft.t2d,
+                                  head=draft.lm_head)  # fmt: skip
+            (result.loss / 2).backward()
+            accuracies.append(float(result.step_accuracy[0]))
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if step % args.eval_every == 0:
+            used = time.process_time() - start
+            recent = accuracies[-100:]
+            record(step=step, train_cpu_s=round(used), train_acc0_last100=round(sum(recent) / len(recent), 4))
+            start += time.process_time() - start - used  # evaluation time does not count against the budget
+    record(step=step, train_cpu_s=round(time.process_time() - start), final=True)
+    log.close()
+
+
+if __name__ == "__main__":
+    main()
