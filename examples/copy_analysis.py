@@ -127,6 +127,8 @@ def token_probe(draft, target, rows: list[dict], positions: int, seed: int = 0) 
     per_row = max(1, -(-positions // len(rows)))
     counts = {"positions": 0, "right_true_token": 0, "right_random_token": 0, "same_prediction": 0}
     for row in rows:
+        if counts["positions"] == positions:
+            break
         batch = collate([row])
         ids = batch["input_ids"]
         out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
