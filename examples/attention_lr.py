@@ -96,19 +96,20 @@ def main() -> None:
     target = load_target(args.target, dtype=torch.bfloat16).eval()
     draft = load_draft_for(args.target, target, args.draft).float()
     collate = Eagle3DataCollator(pad_token_id=0)
-    attention = [p for n, p in draft.named_parameters() if p.requires_grad and ("q_proj" in n or "k_proj" in n)]
-    rest = [p for n, p in draft.named_parameters() if p.requires_grad and not ("q_proj" in n or "k_proj" in n)]
+    trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    attention = [p for n, p in trainable if "q_proj" in n or "k_proj" in n]
+    rest = [p for n, p in trainable if not ("q_proj" in n or "k_proj" in n)]
     base_lrs = (args.learning_rate, args.learning_rate * args.qk_lr_scale)
     optimizer = torch.optim.AdamW([{"params": rest}, {"params": attention}], lr=args.learning_rate,
                                   betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    log = open(args.output, "a", encoding="utf-8")
 
     def record(**fields) -> None:
-        line = {"qk_lr_scale": args.qk_lr_scale, **fields, **evaluate(draft, target, eval_rows, collate)}
-        print(json.dumps(line), file=log, flush=True)
-        print(json.dumps(line), flush=True)
+        line = json.dumps({"qk_lr_scale": args.qk_lr_scale, **fields, **evaluate(draft, target, eval_rows, collate)})
+        with open(args.output, "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+        print(line, flush=True)
 
     record(step=0, train_cpu_s=0)
     order = list(range(len(train_rows)))
@@ -140,7 +141,6 @@ def main() -> None:
             record(step=step, train_cpu_s=round(used), train_acc0_last100=round(sum(recent) / len(recent), 4))
             start += time.process_time() - start - used  # evaluation time does not count against the budget
     record(step=step, train_cpu_s=round(time.process_time() - start), final=True)
-    log.close()
 
 
 if __name__ == "__main__":

@@ -65,11 +65,6 @@ def bigram_sources(tokens: list[int], upto: int) -> list[int | None]:
     return sources
 
 
-def bigram_lookup(tokens: list[int], upto: int) -> list[int | None]:
-    """For each t < `upto`: the token that followed the latest earlier occurrence of ``(x_t, x_{t+1})``, if any."""
-    return [tokens[k + 1] if k is not None else None for k in bigram_sources(tokens, upto)]
-
-
 def step0_attention(draft, ids: torch.Tensor, features: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
     """The first draft layer's step-0 attention weights ``[B, heads, S, S]`` (as `ttt_forward` computes them)."""
     layer = draft.draft_layers()[0]
@@ -122,7 +117,7 @@ def token_probe(draft, target, rows: list[dict], positions: int, seed: int = 0) 
     """Step-0 accuracy with the true ``x_{t+1}`` and with a random one, at `positions` random supervised positions."""
     generator = torch.Generator().manual_seed(seed)
     to_target = torch.nonzero(draft.t2d)[:, 0]  # [Vd]
-    frequent = to_target[:4096]  # the lowest target ids: mostly common tokens of a BPE vocabulary
+    frequent = to_target[:4096]  # the lowest target ids: a BPE vocabulary's earliest merges, short tokens
     collate = Eagle3DataCollator(pad_token_id=0)
     per_row = max(1, -(-positions // len(rows)))
     counts = {"positions": 0, "right_true_token": 0, "right_random_token": 0, "same_prediction": 0}
