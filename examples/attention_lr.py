@@ -1,4 +1,5 @@
-"""Does the draft's attention learn faster with a larger learning rate on its query and key projections?
+"""Does a part of the draft learn faster with a larger learning rate: its attention's query and key projections, or
+the upper layer of a grown draft?
 
 The shipped SmolLM2 draft's first-layer attention is diffuse (`examples/copy_analysis.py --attention`: a query's
 largest weight averages 0.2-0.36 per head, its own position gets under 0.02), it copies from its context far less
@@ -7,16 +8,25 @@ often than the target does, and its q/k weights moved the least from their initi
 the gradient's size, so a larger learning rate on `q_proj`/`k_proj` alone is the direct test of "the attention is
 under-trained". This script continues a draft on regenerated conversations (online target features and
 logits, TTT, the train command's AdamW settings: betas 0.9/0.95, no weight decay, clipping 0.5; 20 warmup steps
-then a constant rate; batch 2 x 2 accumulated) with `--qk-lr-scale` times the learning rate on those projections,
-for a budget of process CPU seconds, and every `--eval-every` steps writes a JSON line: step-0 accuracy against the
-target's full-vocabulary top token on the first `--eval-conversations` conversations of `--eval`, the mean
-running training step-0 accuracy, and the mean largest attention weight of a query (how sharp the attention is).
+then a constant rate; batch 2 x 2 accumulated) with `--lr-scale` times the learning rate on those projections (or
+on the parameters `--scaled-params` names, e.g. `upper_layers`: the layer a grown 2-layer draft added, which starts
+as the identity), for a budget of process CPU seconds, and every `--eval-every` steps writes a JSON line: step-0
+accuracy against the target's full-vocabulary top token on the first `--eval-conversations` conversations of
+`--eval`, the mean running training step-0 accuracy, the mean largest attention weight of a query (how sharp the
+attention is) and, for a deeper draft, the RMS of its upper layers' `o_proj`/`down_proj` weights (zero while they
+are the identity). The qk*.jsonl results were written before `--scaled-params` existed (their key: `qk_lr_scale`).
 
 Usage (one thread per run; `regen_*` folders from the archives in examples/data):
 
     python examples/attention_lr.py --draft eagle3_hf/drafts/smollm2-135m-instruct \
         --data work_data/regen_sharegpt --eval work_data/regen_mtbench --qk-lr-scale 10 \
         --cpu-seconds 1200 --output examples/results/attention_lr/qk10.jsonl
+
+and for the added layer of a grown draft (a checkpoint folder of `eagle3-hf train --num-hidden-layers 2`):
+
+    python examples/attention_lr.py --draft work_data/draft_mix2L/checkpoint-375 --data work_data/regen_sharegpt \
+        --eval work_data/regen_mtbench --scaled-params upper_layers --lr-scale 30 --cpu-seconds 1800 \
+        --output examples/results/attention_lr/upper30.jsonl
 """
 
 from __future__ import annotations
@@ -42,6 +52,15 @@ def sharpness(draft, ids: torch.Tensor, features: torch.Tensor, attention_mask: 
 
     probs = step0_attention(draft, ids, features.float(), attention_mask)  # [1, heads, S, S]
     return probs[0, :, 64:].max(dim=-1).values.mean().item()
+
+
+@torch.no_grad()
+def upper_rms(draft) -> dict:
+    """RMS of the upper layers' output projections (the weights a grown layer starts with at zero)."""
+    weights = [w for layer in draft.upper_layers for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]
+    if not weights:
+        return {}
+    return {"upper_out_rms": round(torch.cat([w.float().flatten() for w in weights]).pow(2).mean().sqrt().item(), 5)}
 
 
 @torch.no_grad()
@@ -76,7 +95,11 @@ def main() -> None:
     parser.add_argument("--eval-conversations", type=int, default=20)
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--qk-lr-scale", type=float, default=1.0, help="learning rate factor on q_proj/k_proj")
+    parser.add_argument("--lr-scale", "--qk-lr-scale", dest="lr_scale", type=float, default=1.0,
+                        help="learning rate factor on the --scaled-params parameters")
+    parser.add_argument("--scaled-params", default="q_proj,k_proj",
+                        help="comma-separated parts of parameter names that get --lr-scale")
+    parser.add_argument("--save-to", help="save the trained draft in this folder at the end")
     parser.add_argument("--cpu-seconds", type=float, default=1200, help="process CPU time for training")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
     parser.add_argument("--ttt-length", type=int, default=7)
@@ -84,8 +107,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, help="JSON lines, one per evaluation")
     args = parser.parse_args()
-    if args.qk_lr_scale <= 0:
-        parser.error(f"--qk-lr-scale must be positive, got {args.qk_lr_scale}")
+    if args.lr_scale <= 0:
+        parser.error(f"--lr-scale must be positive, got {args.lr_scale}")
+    scaled_parts = [part for part in args.scaled_params.split(",") if part]
     torch.set_num_threads(1)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -97,16 +121,20 @@ def main() -> None:
     draft = load_draft_for(args.target, target, args.draft).float()
     collate = Eagle3DataCollator(pad_token_id=0)
     trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
-    attention = [p for n, p in trainable if "q_proj" in n or "k_proj" in n]
-    rest = [p for n, p in trainable if not ("q_proj" in n or "k_proj" in n)]
-    base_lrs = (args.learning_rate, args.learning_rate * args.qk_lr_scale)
-    optimizer = torch.optim.AdamW([{"params": rest}, {"params": attention}], lr=args.learning_rate,
+    is_scaled = [any(part in name for part in scaled_parts) for name, _ in trainable]
+    scaled = [p for (_, p), chosen in zip(trainable, is_scaled) if chosen]
+    rest = [p for (_, p), chosen in zip(trainable, is_scaled) if not chosen]
+    if not scaled:
+        parser.error(f"--scaled-params {args.scaled_params!r} matches no trainable parameter of the draft")
+    base_lrs = (args.learning_rate, args.learning_rate * args.lr_scale)
+    optimizer = torch.optim.AdamW([{"params": rest}, {"params": scaled}], lr=args.learning_rate,
                                   betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
 
     def record(**fields) -> None:
-        line = json.dumps({"qk_lr_scale": args.qk_lr_scale, **fields, **evaluate(draft, target, eval_rows, collate)})
+        settings = {"lr_scale": args.lr_scale, "scaled_params": args.scaled_params}
+        line = json.dumps({**settings, **fields, **evaluate(draft, target, eval_rows, collate), **upper_rms(draft)})
         with open(args.output, "a", encoding="utf-8") as log:
             log.write(line + "\n")
         print(line, flush=True)
@@ -141,6 +169,8 @@ def main() -> None:
             record(step=step, train_cpu_s=round(used), train_acc0_last100=round(sum(recent) / len(recent), 4))
             start += time.process_time() - start - used  # evaluation time does not count against the budget
     record(step=step, train_cpu_s=round(time.process_time() - start), final=True)
+    if args.save_to:
+        draft.save_pretrained(args.save_to)
 
 
 if __name__ == "__main__":
