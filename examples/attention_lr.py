@@ -1,20 +1,21 @@
 """Does a part of the draft learn faster with a larger learning rate: its attention's query and key projections, or
 the upper layer of a grown draft?
 
-The shipped SmolLM2 draft's first-layer attention is diffuse (`examples/copy_analysis.py --attention`: a query's
-largest weight averages 0.2-0.36 per head, its own position gets under 0.02), it copies from its context far less
-often than the target does, and its q/k weights moved the least from their initial scale (RMS 0.025-0.027 against
-0.02 at initialisation; the MLP's 0.031-0.034). Adam moves every weight by about the learning rate per step whatever
-the gradient's size, so a larger learning rate on `q_proj`/`k_proj` alone is the direct test of "the attention is
-under-trained". This script continues a draft on regenerated conversations (online target features and
-logits, TTT, the train command's AdamW settings: betas 0.9/0.95, no weight decay, clipping 0.5; 20 warmup steps
-then a constant rate; batch 2 x 2 accumulated) with `--lr-scale` times the learning rate on those projections (or
-on the parameters `--scaled-params` names, e.g. `upper_layers`: the layer a grown 2-layer draft added, which starts
-as the identity), for a budget of process CPU seconds, and every `--eval-every` steps writes a JSON line: step-0
-accuracy against the target's full-vocabulary top token on the first `--eval-conversations` conversations of
-`--eval`, the mean running training step-0 accuracy, the mean largest attention weight of a query (how sharp the
-attention is) and, for a deeper draft, the RMS of its upper layers' `o_proj`/`down_proj` weights (zero while they
-are the identity). The qk*.jsonl results were written before `--scaled-params` existed (their key: `qk_lr_scale`).
+The SmolLM2 draft's first-layer attention (the 625-step 16,384-id draft, shipped at the time) is diffuse
+(`examples/copy_analysis.py --attention`: a query's largest weight averages 0.2-0.36 per head, its own position gets
+under 0.02), it copies from its context far less often than the target does, and its q/k weights moved the least
+from their initial scale (RMS 0.025-0.027 against 0.02 at initialisation; the MLP's 0.031-0.034). Adam moves every
+weight by about the learning rate per step whatever the gradient's size, so a larger learning rate on
+`q_proj`/`k_proj` alone is the direct test of "the attention is under-trained". This script continues a draft on
+regenerated conversations (online target features and logits, TTT, the train command's AdamW settings: betas
+0.9/0.95, no weight decay, clipping 0.5; 20 warmup steps then a constant rate; batch 2 x 2 accumulated) with
+`--lr-scale` times the learning rate on those projections (or on the parameters `--scaled-params` names, e.g.
+`upper_layers`: the layer a grown 2-layer draft added, which starts as the identity), for a budget of process CPU
+seconds, and every `--eval-every` steps writes a JSON line: step-0 accuracy against the target's full-vocabulary top
+token on the first `--eval-conversations` conversations of `--eval`, the mean running training step-0 accuracy, the
+mean largest attention weight of a query (how sharp the attention is) and, for a deeper draft, the RMS of its upper
+layers' `o_proj`/`down_proj` weights (zero while they are the identity). The qk*.jsonl results were written before
+`--scaled-params` existed (their key: `qk_lr_scale`).
 
 Usage (one thread per run; `regen_*` folders from the archives in examples/data):
 
@@ -25,7 +26,7 @@ Usage (one thread per run; `regen_*` folders from the archives in examples/data)
 and for the added layer of a grown draft (a checkpoint folder of `eagle3-hf train --num-hidden-layers 2`):
 
     python examples/attention_lr.py --draft work_data/draft_mix2L/checkpoint-375 --data work_data/regen_sharegpt \
-        --eval work_data/regen_mtbench --scaled-params upper_layers --lr-scale 30 --cpu-seconds 1800 \
+        --eval work_data/regen_mtbench --scaled-params upper_layers --lr-scale 30 --cpu-seconds 1350 \
         --output examples/results/attention_lr/upper30.jsonl
 """
 
