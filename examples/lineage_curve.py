@@ -143,6 +143,9 @@ def main() -> None:
             done = list(csv.DictReader(f))
     seen = {(r["label"], r["set"]) for r in done}
     specs = [spec.partition("=") for spec in args.eval]
+    for spec, (name, _, data) in zip(args.eval, specs):
+        if not name or not data:
+            raise ValueError(f"--eval {spec!r}: expected NAME=DATA[:held-out]: a set's name and its data folder.")
     todo = [(p, name) for p in points for name, _, _ in specs if (p[0], name) not in seen]
     if todo:
         dtype = getattr(torch, args.dtype)
