@@ -8,8 +8,8 @@ processed when each was saved (optimizer steps x conversations per step, summed 
 
 A least-squares line of accuracy against log2(conversations), through the points at or past ``--fit-from``, gives the
 gain per doubling of training and where that line reaches ``--target-accuracy``: a curve that looks flat against
-steps may still be climbing at a steady rate per doubling, which says the draft is held by how much training it
-has had rather than by its size or its data. Results already in the CSV are kept (keyed by label and set).
+steps may still be climbing at a steady rate per doubling, which points at the amount of training as what holds
+the draft (its size and its data need their own tests). Results already in the CSV are kept (keyed by label and set).
 
 Usage (the shipped SmolLM2 draft's lineage, MT-bench turn 1 answered by the target; see README Status point 7 for
 where each point's conversation count comes from; ``regen_mtbench/`` from
