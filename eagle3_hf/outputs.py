@@ -3,7 +3,7 @@
 Every command that writes a file or folder goes through here. An existing output is replaced only when the user
 says so (`--overwrite-output-dir`, the `TrainingArguments` convention), and the new output is first written next to
 the old one under a hidden temporary name, then renamed over it, so an interrupted run leaves the old output whole
-(or nothing) rather than a half-written mix.
+(or nothing) rather than a half-written mix; the new output gets the permissions the umask gives (not 0600).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
+
+from eagle3_hf.modeling.atomic import replace_path, temporary_sibling
 
 __all__ = ["check_output_dir", "check_output_file", "staged_dir", "staged_file"]
 
@@ -52,33 +53,16 @@ def check_output_file(path: str, overwrite: bool, flag: str = "output") -> None:
         raise ValueError(f"{flag} {path!r}: the folder {parent!r} does not exist.")
 
 
-def _temporary_sibling(path: str, directory: bool) -> str:
-    parent, name = os.path.split(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    if directory:
-        return tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
-    handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
-    os.close(handle)
-    return temporary
-
-
 @contextlib.contextmanager
 def staged_dir(path: str) -> Iterator[str]:
     """Yield a temporary sibling folder of `path` to write into; on success it replaces `path`, on error it goes.
 
     The old folder (if any) is moved aside and deleted only once the new one is in place.
     """
-    temporary = _temporary_sibling(path, directory=True)
+    temporary = temporary_sibling(path, directory=True)
     try:
         yield temporary
-        old = None
-        if os.path.lexists(path):
-            old = _temporary_sibling(path, directory=True)
-            os.rmdir(old)
-            os.replace(path, old)
-        os.replace(temporary, path)
-        if old is not None:
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        replace_path(temporary, path)
     finally:
         if os.path.isdir(temporary):
             shutil.rmtree(temporary)
@@ -87,10 +71,10 @@ def staged_dir(path: str) -> Iterator[str]:
 @contextlib.contextmanager
 def staged_file(path: str) -> Iterator[str]:
     """Yield a temporary sibling file name of `path` to write; on success it is renamed over `path` (atomic)."""
-    temporary = _temporary_sibling(path, directory=False)
+    temporary = temporary_sibling(path, directory=False)
     try:
         yield temporary
-        os.replace(temporary, path)
+        replace_path(temporary, path)
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)

@@ -11,14 +11,13 @@ import difflib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from eagle3_hf.modeling.identity import is_hub_id
+from eagle3_hf.outputs import staged_dir
 from eagle3_hf.training.tokenise import tokenise_data
 
 SMOLLM2 = "smollm2"
@@ -250,21 +249,12 @@ def cached_plain_copy(name_or_path: str, cache_dir: str | os.PathLike, include_m
     elif os.path.isdir(cache_dir) and os.listdir(cache_dir):
         raise ValueError(f"{cache_dir!r} is not empty and is not a cached copy made by cached_plain_copy.")
 
-    parent = os.path.dirname(cache_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
-    try:
+    with staged_dir(cache_dir) as staging:
         load_tokenizer(name_or_path).save_pretrained(staging)
         if include_model:
             load_target(name_or_path).save_pretrained(staging)
         with open(os.path.join(staging, _CACHE_MARKER), "w", encoding="utf-8") as f:
             json.dump({"source": str(name_or_path), "include_model": include_model}, f)
-        if os.path.isdir(cache_dir):
-            shutil.rmtree(cache_dir)
-        os.replace(staging, cache_dir)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging)
     return cache_dir
 
 

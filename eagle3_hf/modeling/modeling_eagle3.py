@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from eagle3_hf.modeling.atomic import apply_umask
 from eagle3_hf.modeling.checkpoints import load_draft, target_embedding
 from eagle3_hf.modeling.families import get_family
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
@@ -346,13 +347,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
         `include_embedding=False` keeps shipped drafts small; loading one then needs `target=`. An embedding that was
         never loaded is always left out: it holds random values until the draft gets the target's, and saving them
-        would make a later load take them for a real embedding. A README.md this library did not write is kept.
-        """
+        would make a later load take them for a real embedding. A README.md this library did not write is kept."""
         if (not self.embedding_loaded or not include_embedding) and state_dict is None:
             state_dict = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
         result = super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
         if is_main_process:
             self._save_card(os.fspath(save_directory))
+            apply_umask(save_directory, suffix=".safetensors")  # safetensors writes 0600, whatever the umask
         return result
 
     def _save_card(self, folder: str) -> None:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from eagle3_hf.modeling.atomic import replace_path
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
 from eagle3_hf.training.distributed import barrier, distributed_rank
@@ -350,4 +351,4 @@ def _write_shards(
             }
             temporary = os.path.join(output_dir, f".shard_{k:05d}.tmp")
             save_file(tensors, temporary, metadata={"first_sample": str(spans[k][0]), "num_samples": str(len(lengths))})
-            os.replace(temporary, shard_path(output_dir, k))  # atomic: a shard exists whole or not at all
+            replace_path(temporary, shard_path(output_dir, k))  # atomic: a shard exists whole or not at all
