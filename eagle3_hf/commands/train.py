@@ -6,8 +6,10 @@ The options are an `HfArgumentParser` over `Eagle3TrainingArguments` (every `tra
 them, required ones included. `--help` lists ours without importing transformers; `--help-all` lists everything.
 
 The output folder is never overwritten by accident: an existing non-empty one needs `--resume` (continue from its
-last checkpoint) or `--overwrite-output-dir` (start afresh: its earlier checkpoints are removed once the inputs
-have been checked); the final draft is written to a temporary folder and its files renamed into place.
+last complete checkpoint; see `train_checks`) or `--overwrite-output-dir` (start afresh: its earlier checkpoints are
+removed once training begins, after every input has been checked); checkpoints are written whole
+(`eagle3_hf.training.checkpointing`) and the final draft is written to a temporary folder and its files renamed
+into place.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from eagle3_hf.commands import OneLineErrors, apply_config, is_main_process, load_config_file, say, split_config
+from eagle3_hf.commands import OneLineErrors, apply_config, load_config_file, say, split_config
+from eagle3_hf.commands.train_checks import check_train_arguments, resume_checkpoint
 from eagle3_hf.commands.vocab import draft_vocab_size_arg
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE, Eagle3TrainingOptions
 
@@ -193,35 +196,6 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
 # running
 
 
-def _check(args: argparse.Namespace) -> None:
-    """Every check that needs no model and no data: bad input fails in a second, before anything is written."""
-    from eagle3_hf.outputs import check_output_dir
-
-    if (args.data is None) == (args.features is None):
-        raise ValueError("Give exactly one of --data (conversations, online features) or --features (offline).")
-    if not args.output_dir:
-        raise ValueError("--output-dir (or --output) is required: the folder for checkpoints and the draft.")
-    if args.max_steps == 0 or args.max_steps < -1:
-        raise ValueError(f"--max-steps must be a positive number of steps (or -1 to train --num-train-epochs "
-                         f"epochs), got {args.max_steps}.")  # fmt: skip
-    if args.max_steps == -1 and args.num_train_epochs <= 0:
-        raise ValueError(f"--num-train-epochs must be > 0 when --max-steps is not given, got {args.num_train_epochs}.")
-    if args.save_total_limit is not None and args.save_total_limit < 0:
-        raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
-    if args.warmup_steps < 0 or (args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps)):
-        raise ValueError(f"--warmup-steps (--warmup-ratio) must be a share of the steps in [0, 1) or a whole number "
-                         f"of steps, got {args.warmup_steps}.")  # fmt: skip
-    if args.resume and args.overwrite_output_dir:
-        raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
-    if args.eval_steps and args.features is not None and not args.eval_features:
-        raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
-    if args.num_hidden_layers is not None and args.num_hidden_layers < 1:
-        raise ValueError(f"--num-hidden-layers must be >= 1 (the draft's layers), got {args.num_hidden_layers}.")
-    if args.dtype != "float32" and (args.bf16 or args.fp16):
-        raise ValueError(f"--dtype {args.dtype} sets the mixed precision itself; leave out --bf16/--fp16.")
-    check_output_dir(args.output_dir, args.overwrite_output_dir or args.resume, "--output-dir", resumable=True)
-
-
 def _layer_ids(text: str | list[int] | None) -> dict[str, list[int]]:
     if text is None:
         return {}
@@ -247,17 +221,6 @@ def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
     if not torch.cuda.is_available():
         values["use_cpu"] = True  # bf16 autocast on a CPU-only machine needs it said explicitly
     return Eagle3TrainingArguments(**values)
-
-
-def _remove_checkpoints(output_dir: str) -> None:
-    """--overwrite-output-dir: the earlier run's checkpoints go (else --resume would later pick one of them)."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    old = [n for n in os.listdir(output_dir) if n.startswith(f"{PREFIX_CHECKPOINT_DIR}-")]
-    for name in old:
-        shutil.rmtree(os.path.join(output_dir, name))
-    if old:
-        say(f"--overwrite-output-dir: removed {len(old)} earlier checkpoint(s) from {output_dir}.")
 
 
 def _save_final(trainer: Any, output_dir: str) -> None:
@@ -325,10 +288,11 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
     return dataset, held_out if evaluate else None, everything
 
 
-def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: dict[str, Any]) -> Any:
+def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: dict[str, Any], resuming: bool) -> Any:
     """A fresh draft for `target` (its vocabulary, target-derived init), or `--init-draft` (remapped, grown if asked).
 
-    `vocab_rows` is the offline features, or every tokenised conversation (see `_data`)."""
+    `vocab_rows` is the offline features, or every tokenised conversation (see `_data`). When `resuming`, a fresh
+    draft only takes the checkpoint's shape: the checkpoint's weights and vocabulary replace anything set here."""
     import torch
 
     from eagle3_hf import Eagle3DraftModel
@@ -352,11 +316,13 @@ def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: di
             draft = grow_draft_layers(draft, depth)
             say(f"Grew the draft from {own} to {depth} decoder layers (the new ones start as the identity).")
         return draft
-    vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
-    size = vocab.draft_vocab_size if vocab is not None else None
+    vocab = None if resuming else _fresh_draft_vocab(args, vocab_rows, vocab_size)
+    size = args.draft_vocab_size if resuming else vocab.draft_vocab_size if vocab is not None else None
     if args.num_hidden_layers is not None:
         overrides = {**overrides, "num_hidden_layers": args.num_hidden_layers}
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
+    if resuming:
+        return draft
     if vocab is not None:
         draft.set_draft_vocab(vocab.d2t, vocab.t2d)  # before the head copy: it picks the rows by these ids
     if args.init_from_target:
@@ -367,13 +333,17 @@ def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: di
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    _check(args)
+    check_train_arguments(args)
+    checkpoint = args.resume_from_checkpoint
+    if args.resume and checkpoint is None:
+        checkpoint = resume_checkpoint(args)  # before anything is loaded: it may refuse
     import torch
-    from transformers.trainer_utils import get_last_checkpoint, set_seed
+    from transformers.trainer_utils import set_seed
 
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.data_files import is_dataset_id
     from eagle3_hf.training.distributed import check_fsdp_loading, init_distributed_from_launcher
+    from eagle3_hf.training.checkpointing import RemoveCheckpointsOnTrainBegin
     from eagle3_hf.training.trainer import Eagle3Trainer
 
     offline = args.features is not None
@@ -389,7 +359,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          shard=fsdp and init_distributed_from_launcher()[1] > 1)  # fmt: skip
     if args.target_id:
         target.config._name_or_path = args.target_id
-    draft = _draft(args, target, vocab_rows, overrides)
+    draft = _draft(args, target, vocab_rows, overrides, resuming=checkpoint is not None)
     sources = args.features if offline else args.data
     before = (draft.training_info or {}).get("steps") or 0 if args.init_draft else 0
     draft.training_info = {  # what the draft's model card says about its training
@@ -397,15 +367,11 @@ def run_cli(args: argparse.Namespace) -> int:
         "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
         "ttt_length": training_args.ttt_length,
     }
-    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset,
-                            eval_dataset=eval_dataset)  # fmt: skip
     output_dir = training_args.output_dir
-    checkpoint = training_args.resume_from_checkpoint
-    if args.resume and checkpoint is None:
-        checkpoint = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        say(f"Resuming from {checkpoint}." if checkpoint else f"No checkpoint in {output_dir}: starting afresh.")
-    elif args.overwrite_output_dir and os.path.isdir(output_dir) and is_main_process():
-        _remove_checkpoints(output_dir)
+    # The earlier run's checkpoints go once training has begun, so that a mistake found before then deletes nothing.
+    callbacks = [RemoveCheckpointsOnTrainBegin(output_dir, say)] if args.overwrite_output_dir else []
+    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset,
+                            eval_dataset=eval_dataset, callbacks=callbacks)  # fmt: skip
     trainer.train(resume_from_checkpoint=checkpoint)
     draft.training_info["steps"] = before + trainer.state.global_step
     _save_final(trainer, output_dir)

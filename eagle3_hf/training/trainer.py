@@ -27,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from eagle3_hf.training.arguments import Eagle3TrainingOptions
+from eagle3_hf.training.checkpointing import WholeCheckpoints
 from eagle3_hf.training.distributed import (
     check_fsdp_plugin,
     enable_cpu_fsdp,
@@ -142,7 +143,7 @@ def install_draft_vocab(draft: nn.Module, dataset: Dataset | Any) -> DraftVocab:
     return vocab
 
 
-class Eagle3Trainer(Trainer):
+class Eagle3Trainer(WholeCheckpoints, Trainer):
     r"""`Trainer` for EAGLE-3 drafts: features (online from `target`, or offline in the batch) -> TTT -> loss.
 
     Distributed training runs one process per device (`accelerate launch`, `torchrun`; several machines too):
@@ -159,7 +160,8 @@ class Eagle3Trainer(Trainer):
       the gathered weights in ``pytorch_model_fsdp.bin``) or ``"SHARDED_STATE_DICT"`` (torch.distributed.checkpoint
       folders), with the optimizer state alike; training resumes from either. Every checkpoint and `save_model`
       also hold the gathered draft in its native layout, which `Eagle3DraftModel.from_pretrained` loads in one
-      process. bf16 and ``gradient_checkpointing`` work under FSDP.
+      process. bf16 and ``gradient_checkpointing`` work under FSDP. A checkpoint is written whole or not at all
+      (`WholeCheckpoints`).
 
     Refused with a `ValueError`: DeepSpeed (every ZeRO stage), FSDP1 (``fsdp_version: 1``), FSDP's
     ``cpu_ram_efficient_loading`` (it leaves weights loaded with `from_pretrained` empty on all processes but the
