@@ -1,3 +1,4 @@
+import argparse
 import json
 import os
 
@@ -6,7 +7,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.training.data import read_conversations
-from eagle3_hf.training.regenerate import list_shards, prompt_rounds, regenerate_responses
+from eagle3_hf.training.regenerate import MANIFEST_NAME, list_shards, prompt_rounds, regenerate_responses
 
 MAX_NEW_TOKENS = 6
 
@@ -145,12 +146,12 @@ def test_killed_run_leaves_only_whole_shards(model, tokenizer, tmp_path, monkeyp
     monkeypatch.setattr(model, "generate", CountingGenerate(model, fail_on_call=3))
     with pytest.raises(RuntimeError, match="killed"):
         run(model, tokenizer, conversations(), killed)
-    assert os.listdir(killed) == ["shard_00000.jsonl"]
+    assert sorted(os.listdir(killed)) == [MANIFEST_NAME, "shard_00000.jsonl"]
     # A half-written temporary shard, as a kill during the write would leave it, holds ids that must be redone.
     (killed / ".shard_00001.jsonl.tmp").write_text('{"id": "conv-2", "conversations": []}\n{"id": "conv-3", "conv')
     monkeypatch.setattr(model, "generate", model.generate.generate)
     run(model, tokenizer, conversations(), killed)
-    assert sorted(os.listdir(killed)) == ["shard_00000.jsonl", "shard_00001.jsonl", "shard_00002.jsonl"]
+    assert sorted(os.listdir(killed)) == [MANIFEST_NAME, "shard_00000.jsonl", "shard_00001.jsonl", "shard_00002.jsonl"]
     assert by_id(killed) == by_id(tmp_path / "whole")
 
 
@@ -202,3 +203,39 @@ def test_bad_arguments(model, tokenizer, tmp_path):
     tokenizer.chat_template = "{{ messages[0]['content'] }}"
     with pytest.raises(ValueError, match="is not a shard written by regenerate_responses"):
         run(model, tokenizer, conversations(1), tmp_path)
+
+
+def test_a_folder_of_answers_to_other_prompts_is_refused(model, tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    without_ids = [{"conversations": c["conversations"]} for c in conversations(3)]  # ids are their positions
+    run(model, tokenizer, without_ids, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # Another data set of the same length (the same position ids), one with other ids, other generation settings.
+    other = [{"conversations": [{"from": "human", "value": f"Something else {i}"}]} for i in range(3)]
+    other_ids = [{"id": f"other-{i}", **record} for i, record in enumerate(other)]
+    for records, changed in ((other, "data"), (other_ids, "data"), (without_ids, "max_new_tokens")):
+        with pytest.raises(ValueError, match=f"already holds answers of another run \\({changed}: "):
+            run(model, tokenizer, records, out, max_new_tokens=MAX_NEW_TOKENS + (records is without_ids))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # The same data continued after --skip-conversations: the command knows it by the data's first conversation.
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(4)))
+    folder = tmp_path / "cli"
+    args = ["--data", data, "--output", folder, "--max-new-tokens", MAX_NEW_TOKENS, "--max-conversations", 2]
+    from eagle3_hf.commands import regenerate as command
+
+    def cli(*extra):
+        parser = argparse.ArgumentParser()
+        command.add_cli_arguments(parser)
+        return command.run_cli(parser.parse_args([str(a) for a in ["--target", "unused", *args, *extra]]))
+
+    loaded = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("eagle3_hf.targets.load_target", lambda *a, **k: loaded.append(1) or model)
+        patch.setattr("eagle3_hf.targets.load_tokenizer", lambda *a, **k: tokenizer)
+        assert cli() == 0 and cli("--skip-conversations", 2) == 0
+        assert sorted(by_id(folder)) == ["conv-0", "conv-1", "conv-2", "conv-3"]
+        data.write_text("".join(json.dumps(r) + "\n" for r in other_ids))
+        with pytest.raises(ValueError, match="already holds answers of another run"):
+            cli()
+    assert len(loaded) == 2  # the refusal came before the target was loaded

@@ -29,16 +29,24 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
 
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
-    from eagle3_hf.training.regenerate import regenerate_responses, select_conversations
+    from eagle3_hf.training.manifest import check_manifest
+    from eagle3_hf.training.regenerate import (
+        MANIFEST_NAME, data_fingerprint, regenerate_manifest, regenerate_responses, select_conversations,
+    )  # fmt: skip
 
     check_device(args.device)
     conversations = select_conversations(args.data, args.skip_conversations, args.max_conversations, args.max_rounds)
+    # The data set is known by its first conversation, whatever --skip-conversations leaves out.
+    fingerprint = data_fingerprint(select_conversations(args.data, 0, 1, args.max_rounds), args.max_rounds)
+    manifest = regenerate_manifest(fingerprint, args.max_new_tokens, args.do_sample, args.temperature,
+                                   args.max_prompt_length, args.seed)  # fmt: skip
+    check_manifest(args.output, MANIFEST_NAME, manifest, "answers")  # before the target is loaded
     model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     tokenizer = load_tokenizer(args.target)
     shards = regenerate_responses(
         model, tokenizer, conversations, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample, temperature=args.temperature, shard_size=args.shard_size,
-        max_prompt_length=args.max_prompt_length, seed=args.seed,
+        max_prompt_length=args.max_prompt_length, seed=args.seed, fingerprint=fingerprint,
     )
     say(f"{len(shards)} shards in {args.output}")
     return 0

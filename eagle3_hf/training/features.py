@@ -20,7 +20,6 @@ A shard is written to a temporary name and renamed, so an interrupted run resume
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -38,6 +37,7 @@ from eagle3_hf.modeling.atomic import replace_path
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
 from eagle3_hf.training.distributed import barrier, distributed_rank
+from eagle3_hf.training.manifest import check_manifest, write_manifest
 from eagle3_hf.training.ttt import target_top_k
 from eagle3_hf.training.arguments import DEFAULT_TOP_K
 
@@ -161,13 +161,6 @@ def _existing_parent(path: str) -> str:
     return path
 
 
-def _write_json(path: str, data: dict) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(temporary, path)
-
-
 def shard_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"shard_{index:05d}.safetensors")
 
@@ -244,18 +237,8 @@ def precompute_features(
         "target": getattr(target.config, "_name_or_path", None) or None,
         "fingerprint": digest.hexdigest(),
     }
-    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
-    if os.path.isfile(manifest_path):
-        with open(manifest_path, encoding="utf-8") as f:
-            old = json.load(f)
-        changed = [k for k in manifest if k != "target" and old.get(k) != manifest[k]]
-        if changed:
-            differences = ", ".join(f"{k}: {old.get(k)!r} -> {manifest[k]!r}" for k in changed)
-            raise ValueError(
-                f"{output_dir!r} already holds features of another run ({differences}); "
-                "use another folder, or delete this one to start over."
-            )
-    elif os.path.isdir(output_dir) and any(n.startswith("shard_") for n in os.listdir(output_dir)):
+    has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "features", ignore=("target",))
+    if not has_manifest and os.path.isdir(output_dir) and any(n.startswith("shard_") for n in os.listdir(output_dir)):
         raise ValueError(f"{output_dir!r} holds shards but no {MANIFEST_NAME}; use an empty folder.")
 
     spans = [(k * shard_size, min((k + 1) * shard_size, len(rows))) for k in range(manifest["num_shards"])]
@@ -281,8 +264,8 @@ def precompute_features(
         )
     barrier()  # every process has checked the folder before the first one changes it
     os.makedirs(output_dir, exist_ok=True)
-    if rank == 0 and not os.path.isfile(manifest_path):
-        _write_json(manifest_path, manifest)  # a manifest means the folder is set up
+    if rank == 0 and not has_manifest:
+        write_manifest(output_dir, MANIFEST_NAME, manifest)  # a manifest means the folder is set up
     device = next(target.parameters()).device
 
     def taps(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:

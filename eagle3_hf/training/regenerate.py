@@ -7,12 +7,16 @@ set left unanswered (a trailing question, or a prompt-only data set) is answered
 
 Output: ShareGPT records (``{"id", "conversations": [{"from", "value"}]}``) in ``shard_00000.jsonl``,
 ``shard_00001.jsonl``, ... Each shard is written to a hidden temporary name and renamed when complete, so a killed
-run leaves only whole shards; a new run skips every id found in them. Read the result back with
+run leaves only whole shards; a new run skips every id found in them. ``.regenerate.json`` records the data (a
+fingerprint of its first conversation, so that a run may continue or extend the same data) and the generation
+settings: a run with other data or settings into the same folder is refused rather than skipping prompts whose ids
+happen to match or mixing two data sets. Read the result back with
 `eagle3_hf.training.data.read_conversations(output_dir)`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,13 +28,18 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from eagle3_hf.training.data import as_conversations, read_conversations
+from eagle3_hf.training.manifest import check_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
 _SHARD = re.compile(r"shard_(\d+)\.jsonl")
 _SHAREGPT_SPEAKER = {"system": "system", "user": "human", "assistant": "gpt"}
 
-__all__ = ["list_shards", "prompt_rounds", "regenerate_responses"]
+MANIFEST_NAME = ".regenerate.json"  # hidden: reading the folder as data skips it
+
+__all__ = [
+    "MANIFEST_NAME", "data_fingerprint", "list_shards", "prompt_rounds", "regenerate_manifest", "regenerate_responses"
+]
 
 
 def prompt_rounds(messages: list[dict]) -> list[list[dict]]:
@@ -91,6 +100,27 @@ def _unique_ids(conversations: list[dict]) -> list[dict]:
     if repeats:
         logger.warning("%d conversations repeat an earlier id; they got a '#k' suffix.", repeats)
     return unique
+
+
+def data_fingerprint(conversations: list[dict], max_rounds: int | None = None) -> str:
+    """What identifies a data set: a digest of its first conversation (id and messages) and of `max_rounds`.
+
+    The first one only, so that a run which continues or extends the same data (more conversations, or the next
+    ones after ``--skip-conversations``) has the same fingerprint, while another data set has another."""
+    first = [{"id": c["id"], "messages": c["messages"]} for c in conversations[:1]]
+    text = json.dumps({"first": first, "max_rounds": max_rounds}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def regenerate_manifest(fingerprint: str, max_new_tokens: int, do_sample: bool, temperature: float,
+                        max_prompt_length: int, seed: int) -> dict:  # fmt: skip
+    """The ``.regenerate.json`` of a run: its data and the settings its answers depend on (batch and shard sizes
+    change only how the work is split)."""
+    return {
+        "format": 1, "data": fingerprint, "max_new_tokens": max_new_tokens, "do_sample": do_sample,
+        "temperature": temperature if do_sample else None, "seed": seed if do_sample else None,
+        "max_prompt_length": max_prompt_length,
+    }  # fmt: skip
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -179,6 +209,7 @@ def regenerate_responses(
     shard_size: int = 256,
     max_prompt_length: int = 2048,
     seed: int = 0,
+    fingerprint: str | None = None,
 ) -> list[str]:
     """Regenerate the assistant turns of `conversations` with `model`; return the paths of all complete shards.
 
@@ -192,6 +223,9 @@ def regenerate_responses(
         shard_size: conversations per shard, i.e. how much work a kill can lose.
         max_prompt_length: a conversation stops at the first round whose prompt is longer; if that is its first
             round it is left out of the output (and retried, cheaply, on a later run).
+        fingerprint: what identifies the data set (`data_fingerprint` of the whole data, as `eagle3-hf regenerate`
+            passes); default: `data_fingerprint(conversations)`. A folder holding answers to another data set, or
+            made with other generation settings, is refused with a `ValueError`.
 
     The tokenizer's padding side is set to left (and its pad token to eos when it has none) during the call.
     """
@@ -206,7 +240,15 @@ def regenerate_responses(
             f"The tokenizer {tokenizer.name_or_path!r} has no chat template; set `tokenizer.chat_template` first."
         )
     output_dir = os.fspath(output_dir)
+    conversations = _unique_ids(as_conversations(conversations))
+    manifest = regenerate_manifest(fingerprint or data_fingerprint(conversations), max_new_tokens, do_sample,
+                                   temperature, max_prompt_length, seed)  # fmt: skip
+    has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "answers")
     os.makedirs(output_dir, exist_ok=True)
+    if not has_manifest:
+        if list_shards(output_dir):  # written before manifests were: its prompts cannot be checked
+            logger.warning("%s holds shards but no %s; continuing it as the same data.", output_dir, MANIFEST_NAME)
+        write_manifest(output_dir, MANIFEST_NAME, manifest)
     for name in os.listdir(output_dir):
         if name.startswith(".shard_") and name.endswith(".jsonl.tmp"):
             os.remove(os.path.join(output_dir, name))  # left by a killed run; its conversations are redone
@@ -214,7 +256,7 @@ def regenerate_responses(
     existing = list_shards(output_dir)
     done = {i for path in existing for i in _ids_in_shard(path)}
     next_index = int(_SHARD.fullmatch(os.path.basename(existing[-1])).group(1)) + 1 if existing else 0
-    pending = [c for c in _unique_ids(as_conversations(conversations)) if c["id"] not in done]
+    pending = [c for c in conversations if c["id"] not in done]
     if done:
         logger.info("Resuming: %d conversations already in %d shards, %d to go.",
                     len(done), len(existing), len(pending))
