@@ -16,6 +16,19 @@ from eagle3_hf.outputs import staged_dir, staged_file
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def no_progress_bars():
+    """Loading data and saving weights draw progress bars on stderr: only the error line should be there."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    yield
+    datasets.enable_progress_bars()
+    hf_logging.enable_progress_bar()
+
+
 @pytest.fixture
 def umask_022():
     old = os.umask(0o022)
@@ -124,3 +137,44 @@ def test_overwrite_deletes_nothing_before_every_option_is_checked(chat_target, t
     code, text, err = train(capsys, chat_target, out, "--max-steps", "1", "--overwrite-output-dir", *bad)
     assert code == 2 and "removed" not in text, (text, err)
     assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# corrupt inputs: one line naming the file, exit code 2
+
+
+def test_corrupt_data_vocab_and_shards_are_named_in_one_line(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes(data.read_bytes() + '{"conversations": [{"from": "human", "value": "café"}]}\n'.encode("latin-1"))
+    numbers = tmp_path / "numbers.json"
+    numbers.write_text("[1, 2, 3]")
+    vocab = ["vocab", "--target", folder, "--output", tmp_path / "v.safetensors", "--draft-vocab-size", "64"]
+    lines = len(data.read_text().splitlines()) + 1
+    assert_clean_error(*run(capsys, *vocab, "--data", not_utf8)[::2], f"{not_utf8} line {lines} is not UTF-8 text")
+    assert_clean_error(*run(capsys, *vocab, "--data", numbers)[::2], f"{numbers}: record 0 is 1 (a JSON int)")
+    random_bytes = tmp_path / "random.safetensors"
+    random_bytes.write_bytes(bytes(range(256)) * 4)
+    code, _, err = train(capsys, chat_target, tmp_path / "run", "--max-steps", "1", "--vocab", random_bytes)
+    assert_clean_error(code, err, f"Could not read {str(random_bytes)!r}", "truncated or corrupt")
+    # A feature shard cut short (a full disk, a copy stopped midway) is found when the folder is opened.
+    features = tmp_path / "features"
+    assert run(capsys, "features", "--target", folder, "--data", data, "--output", features, "--shard-size", "5")[0] == 0
+    shard = features / "shard_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    code, _, err = run(capsys, "train", "--target", folder, "--features", features, "--output", tmp_path / "off",
+                       "--max-steps", "1", "--ttt-length", "2")  # fmt: skip
+    assert_clean_error(code, err, f"Could not read {str(shard)!r}", "truncated or corrupt")
+
+
+def test_a_draft_config_whose_heads_do_not_divide_its_width_is_named(tmp_path, tiny, capsys):  # noqa: F811
+    root, _ = tiny
+    draft = tmp_path / "draft"
+    Eagle3DraftModel.from_pretrained(root / "draft", target=tiny[1]).save_pretrained(draft)
+    config = json.loads((draft / "config.json").read_text())
+    config.update(num_attention_heads=5, num_key_value_heads=5)
+    config.pop("head_dim", None)
+    (draft / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "convert", draft, tmp_path / "out", "--to", "speculators")
+    assert_clean_error(code, err, repr(str(draft)), "hidden size (64) is not a multiple of the number of attention "
+                                                    "heads (5)")  # fmt: skip

@@ -36,7 +36,7 @@ from eagle3_hf.modeling.layouts import (
     speculators_config_kwargs,
 )
 
-__all__ = ["LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "read_checkpoint"]
+__all__ = ["LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint"]
 
 logger = hf_logging.get_logger(__name__)
 
@@ -70,6 +70,19 @@ def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -
             f"{path!r} is neither a local checkpoint folder nor a Hub repo that could be fetched: {err}"
         ) from err
     return os.path.join(root, subfolder)
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str) -> Iterator[Any]:
+    """`safetensors.safe_open(path, "pt")`; a file that is not one (truncated, corrupt, random bytes) is named in a
+    `ValueError` rather than a `SafetensorError` that names no file."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"Could not read {path!r}: it is not a safetensors file, or it is truncated or corrupt "
+                         f"({err}).") from err  # fmt: skip
+    with handle as f:
+        yield f
 
 
 def _read_file(path: str) -> dict[str, torch.Tensor]:
@@ -134,7 +147,9 @@ def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: st
     try:
         if layout == NATIVE:
             _check_native_keys(config, source)
-            return Eagle3DraftConfig.from_dict(config)
+            draft_config = Eagle3DraftConfig.from_dict(config)
+            draft_config.layer_config()  # the layers' own checks (head sizes), while the file can still be named
+            return draft_config
         fields = speculators_config_kwargs(config) if layout == SPECULATORS else eagle_config_kwargs(config, keys)
         draft_config = Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
         # Name a depth the weights do not hold in layers (not as a list of missing or unexpected weights).

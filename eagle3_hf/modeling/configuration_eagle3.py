@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
 # model_type of a target's text config -> model_type whose transformers layer classes
@@ -252,7 +253,11 @@ class Eagle3DraftConfig(PretrainedConfig):
             fields["mlp_bias"] = self.mlp_bias
         fields.update(family.layer_defaults(self))
         fields.update(self.layer_config_overrides)
-        config = family.config_class(**fields)
+        try:
+            config = family.config_class(**fields)
+        except (StrictDataclassError, TypeError, ValueError) as err:  # transformers' strict configs check shapes
+            raise ValueError(f"Eagle3DraftConfig: its {self.layer_type} layers cannot be built: "
+                             f"{err.__cause__ or err}") from err  # fmt: skip
         config._attn_implementation = self._attn_implementation
         return config
 

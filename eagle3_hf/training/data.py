@@ -22,7 +22,9 @@ from types import MappingProxyType
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_hf.training.data_files import DATA_SUFFIXES, is_dataset_id, read_records  # noqa: F401 (re-exported)
+from eagle3_hf.training.data_files import (  # noqa: F401 (DATA_SUFFIXES, is_dataset_id: re-exported)
+    DATA_SUFFIXES, is_dataset_id, not_utf8_error, read_records,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -143,10 +145,15 @@ def read_conversations(
     else:
         records = source
     conversations = []
-    for index, record in enumerate(records):
-        if limit is not None and index >= limit:
-            break
-        conversations.append(normalize_conversation(record, index))
+    try:
+        for index, record in enumerate(records):
+            if limit is not None and index >= limit:
+                break
+            conversations.append(normalize_conversation(record, index))
+    except UnicodeDecodeError as error:
+        if not isinstance(source, (str, os.PathLike)):
+            raise
+        raise not_utf8_error(os.fspath(source), error) from error
     return conversations
 
 

@@ -25,7 +25,7 @@ DATA_SUFFIXES = {
     ".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet",
 }  # fmt: skip
 
-__all__ = ["DATA_SUFFIXES", "is_dataset_id", "read_records"]
+__all__ = ["DATA_SUFFIXES", "is_dataset_id", "not_utf8_error", "read_records"]
 
 
 def _iter_json_list(text: str, path: str) -> Iterator[object]:
@@ -68,11 +68,22 @@ def _is_cut_off_json_list(path: str) -> bool:
     return head.startswith(b"[") and not tail.endswith(b"]")
 
 
+def _read_text(path: str) -> str:
+    """The text of a (gzip-compressed) UTF-8 file; a byte that is not UTF-8 is named with its line."""
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path} line {line} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                         "save the file as UTF-8.") from err  # fmt: skip
+
+
 def _check_json_file(path: str) -> None:
     """Say what is wrong with a JSON / JSON Lines file that `datasets` could not read (naming the line)."""
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    text = _read_text(path)
     stripped = text.lstrip()
     if not stripped.startswith(("[", "{")):
         raise ValueError(f"{path} does not hold JSON records (it starts with {stripped[:20]!r}).")
@@ -101,12 +112,30 @@ def _load_files(paths: list[str], where: str) -> Dataset:
     if len(builders) != 1:
         raise ValueError(f"{where} mixes JSON and parquet files; keep one format per folder.")
     try:
-        return load_dataset(builders.pop(), data_files=paths, split="train")
+        dataset = load_dataset(builders.pop(), data_files=paths, split="train")
     except Exception as error:  # datasets wraps parser errors in its own types: say which file, and what is wrong
         for path in paths:
             if _builder(path) == "json":
                 _check_json_file(path)
         raise ValueError(f"Could not read {where} with datasets: {' '.join(str(error).split())}") from error
+    if dataset.column_names == ["text"]:  # how datasets reads a JSON list of numbers or strings
+        for path in paths:
+            _check_records_are_objects(path)
+    return dataset
+
+
+def _check_records_are_objects(path: str) -> None:
+    """Refuse a JSON (Lines) file whose first record is not a JSON object (`[1, 2, 3]`), naming what it is."""
+    if _builder(path) != "json":
+        return
+    text = _read_text(path).lstrip()
+    try:
+        records = json.loads(text) if text.startswith("[") else [json.loads(text.splitlines()[0])] if text else []
+    except json.JSONDecodeError:
+        return  # a record that spans lines: datasets read it, so it is an object
+    if records and not isinstance(records[0], dict):
+        raise ValueError(f"{path}: record 0 is {json.dumps(records[0])[:40]} (a JSON {type(records[0]).__name__}); "
+                         "expected each record to be a JSON object (a ShareGPT, messages or Alpaca record).")
 
 
 def _data_files(folder: str) -> list[str]:
@@ -128,6 +157,18 @@ def _hub_dataset(name: str) -> Dataset:
                          f"{' '.join(str(error).split())}") from error  # fmt: skip
 
 
+def not_utf8_error(path: str, error: UnicodeDecodeError) -> ValueError:
+    """The error to raise when reading the records of `path` (a file or folder) met text that is not UTF-8:
+    `datasets` reads such bytes into its tables without a word and fails only when a row is read, naming no file."""
+    for file in _data_files(path) if os.path.isdir(path) else [path]:
+        if _builder(file) == "json":
+            try:
+                _read_text(file)
+            except ValueError as named:
+                return named
+    return ValueError(f"{path} holds text that is not UTF-8 ({error}); save it as UTF-8.")
+
+
 def read_records(path: str) -> Iterable:
     """The records of a file, a folder of files, or a Hub dataset id."""
     if os.path.isdir(path):
@@ -139,8 +180,7 @@ def read_records(path: str) -> Iterable:
         if _builder(path) is None:
             raise ValueError(f"Cannot read {path!r}: expected a {', '.join(DATA_SUFFIXES)} file or a folder of them.")
         if _is_cut_off_json_list(path):
-            with open(path, encoding="utf-8") as f:
-                return _iter_json_list(f.read(), path)
+            return _iter_json_list(_read_text(path), path)
         return _load_files([path], repr(path))
     if is_dataset_id(path):
         return _hub_dataset(path)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset as TorchDataset
 
+from eagle3_hf.modeling.checkpoints import open_safetensors
 from eagle3_hf.training.features import FEATURES_FORMAT, MANIFEST_NAME, shard_path
 
 __all__ = ["OfflineFeatureDataset"]
@@ -46,6 +47,9 @@ class _FeatureFolder:
                 f"(first: {os.path.basename(shard_path(self.folder, missing[0]))}); rerun the same precompute to "
                 "finish it."
             )
+        for k in range(self.manifest["num_shards"]):
+            with open_safetensors(shard_path(self.folder, k)):  # a truncated shard fails here, not mid-training
+                pass
         self.offsets: dict[int, list[int]] = {}
 
     def row(self, index: int) -> dict[str, torch.Tensor]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3_hf.modeling.checkpoints import open_safetensors
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_held_out
 from eagle3_hf.training.arguments import DEFAULT_MIN_COVERAGE
@@ -188,7 +188,7 @@ def load_draft_vocab(path: str | os.PathLike) -> DraftVocab:
         )
     if os.path.isdir(path):
         return _vocab_of_draft_folder(path)
-    with safe_open(path, framework="pt") as f:
+    with open_safetensors(path) as f:
         keys, metadata = set(f.keys()), f.metadata() or {}
         missing = {"d2t", "t2d", "counts"} - keys
         if missing:
@@ -211,7 +211,7 @@ def _vocab_of_draft_folder(folder: str) -> DraftVocab:
         raise ValueError(
             f"{folder!r} is a folder without model.safetensors: expected a draft vocabulary file or a saved draft."
         )
-    with safe_open(weights, framework="pt") as f:
+    with open_safetensors(weights) as f:
         missing = {"d2t", "t2d"} - set(f.keys())
         if missing:
             raise ValueError(f"{weights!r} holds no draft vocabulary: it lacks {sorted(missing)}.")
