@@ -178,3 +178,30 @@ def test_a_draft_config_whose_heads_do_not_divide_its_width_is_named(tmp_path, t
     code, _, err = run(capsys, "convert", draft, tmp_path / "out", "--to", "speculators")
     assert_clean_error(code, err, repr(str(draft)), "hidden size (64) is not a multiple of the number of attention "
                                                     "heads (5)")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# smaller items
+
+
+def test_a_quoted_boolean_in_a_config_file_reads_as_the_command_line_reads_it(tmp_path, capsys):
+    from eagle3_hf.commands import CommandParser, apply_config
+
+    def parsed(value):
+        parser = CommandParser(prog="eagle3-hf x")
+        parser.add_argument("--model-card", action="store_true")
+        apply_config(parser, {"model_card": value}, "c.yaml")
+        return parser.parse_args([]).model_card
+
+    assert [parsed(v) for v in ("false", "False", "no", "0", "true", "yes", False, True)] == [False] * 4 + [True] * 2 + [
+        False, True]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        parsed("maybe")
+    assert exit_info.value.code == 2 and "model_card='maybe' is not a boolean" in capsys.readouterr().err
+
+
+def test_a_draft_vocabulary_covering_under_half_the_tokens_warns(chat_target, tmp_path, capsys):
+    code, text, err = run(capsys, "train", "--target", chat_target[0], "--data", chat_target[1], "--output",
+                          tmp_path / "run", "--ttt-length", "2", "--max-steps", "1", "--draft-vocab-size", "3")
+    assert code == 0, err
+    assert "Warning: --draft-vocab-size 3 covers under 50% of the supervised tokens" in text

@@ -88,6 +88,8 @@ def apply_config(parser: argparse.ArgumentParser, values: dict[str, Any], path: 
     defaults = {}
     for key, value in values.items():
         action = by_name[key.replace("-", "_")]
+        if action.nargs == 0 and isinstance(value, str):  # a flag (store_true): "false" must not read as true
+            value = _config_bool(parser, value, key, path)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and action.type not in (None, str):
             value = str(value)  # argparse converts string defaults with the option's type (and checks choices)
         if action.choices is not None:
@@ -99,6 +101,14 @@ def apply_config(parser: argparse.ArgumentParser, values: dict[str, Any], path: 
         if not action.option_strings and action.nargs is None:
             action.nargs = "?"  # a positional the file supplies may be left out
     parser.set_defaults(**defaults)
+
+
+def _config_bool(parser: argparse.ArgumentParser, value: str, key: str, path: str) -> bool:
+    """A flag's value written as a string in a config file, read as the command line reads a boolean."""
+    words = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+    if value.strip().lower() not in words:
+        parser.error(f"{path}: {key}={value!r} is not a boolean; expected true or false")
+    return words[value.strip().lower()]
 
 
 def split_config(argv: Sequence[str]) -> tuple[str | None, list[str]]:

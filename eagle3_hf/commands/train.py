@@ -103,6 +103,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 0.5, "weight_decay": 0.0, "per_device_train_batch_size": 1, "save_steps": 500,
     "save_total_limit": 2, "logging_steps": 10, "seed": 0, "report_to": "none", "per_device_eval_batch_size": 1,
 }  # fmt: skip
+LOW_COVERAGE = 0.5  # a draft vocabulary covering less of the supervised tokens gets a warning
 # Older flag names -> the TrainingArguments field they set.
 ALIASES = {"--output": "output_dir", "--batch-size": "per_device_train_batch_size", "--warmup-ratio": "warmup_steps"}
 _ALIAS_TYPES = {"output_dir": str, "per_device_train_batch_size": int, "warmup_steps": float}
@@ -263,6 +264,10 @@ def _fresh_draft_vocab(args: argparse.Namespace, dataset: Any, target_vocab_size
         vocab = choice.vocab
     say(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
         f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens.")  # fmt: skip
+    if vocab.coverage < LOW_COVERAGE:  # most target tokens would be out of the draft's reach: likely a typo
+        say(f"Warning: --draft-vocab-size {vocab.draft_vocab_size} covers under {LOW_COVERAGE:.0%} of the supervised "
+            "tokens, so the draft can propose few of the target's tokens; --draft-vocab-size auto picks one by "
+            "coverage.")  # fmt: skip
     return vocab
 
 
