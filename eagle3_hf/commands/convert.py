@@ -3,7 +3,8 @@
     eagle3-hf convert SRC DST --to {native,speculators,eagle} [--target PATH_OR_NAME] [--target-id ORG/NAME]
         [--include-embedding] [--overwrite-output-dir]
 
-DST is written to a temporary sibling folder and renamed into place once complete; an existing non-empty DST is
+Every layout writes the token embedding bit for bit as the target has it, in the target's dtype (with `--target`), or
+as the checkpoint stored it. DST is written to a temporary sibling folder and renamed into place once complete; an existing non-empty DST is
 replaced only with `--overwrite-output-dir`, and never when it is SRC (or holds it).
 """
 
@@ -26,8 +27,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", default=None,
         help="target model (short name such as 'smollm2', a folder, a .gguf file): checks the draft against it and "
-             "supplies its embedding (in the target's precision) and architectures; needed for speculators when the "
-             "checkpoint has no embedding",
+             "supplies its embedding (bit for bit, in the target's precision) and architectures; needed for "
+             "speculators when the checkpoint has no embedding",
     )  # fmt: skip
     parser.add_argument(
         "--target-id", default=None,
@@ -59,6 +60,9 @@ def run_cli(args: argparse.Namespace) -> int:
         target = load_target(args.target, dtype="auto")  # its own precision: the exported embedding keeps it
     # dtype "auto": keep the checkpoint's dtype so that the conversion is bit for bit.
     draft = Eagle3DraftModel.from_pretrained(args.src, target=target, dtype="auto")
+    if target is not None and draft.config.hidden_size == draft.config.target_hidden_size:
+        # Write the target's own embedding: a copy the checkpoint holds was checked equal, but may be a cast one.
+        draft.load_target_embedding(target)
     recorded = draft.config.target_name_or_path
     target_id = args.target_id or (target_hub_id(recorded) if recorded else None)
     if target_id:
@@ -66,8 +70,7 @@ def run_cli(args: argparse.Namespace) -> int:
     include = True if args.include_embedding else None
     with staged_dir(args.dst) as folder:
         if args.to == SPECULATORS:
-            embedding = target.get_input_embeddings().weight if target is not None else None
-            save_speculators(draft, folder, include_embedding=include, embedding=embedding)
+            save_speculators(draft, folder, include_embedding=include)
         elif args.to == EAGLE:
             save_eagle(draft, folder, include_embedding=bool(include))
         else:
