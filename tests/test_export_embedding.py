@@ -3,11 +3,12 @@
 The source is a bfloat16 draft of a float32 target saved without its embedding, as the shipped draft is. Each
 layout's export, reloaded, gives logits bit-identical to the source draft's on the same features, in bfloat16 and in
 float32 (where a rounded embedding shows); the loader takes a stored copy for the target's embedding only when it is
-exactly that, or a visible cast of it.
+exactly that, or a visible cast of it. Also: the speculators verifier recorded as a local folder for offline use.
 """
 
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.cli import main as cli_main
 from eagle3_hf.commands.convert import add_cli_arguments, run_cli
 from eagle3_hf.modeling.embedding import embedding_mismatch
 from eagle3_hf.modeling.layouts import save_eagle, save_speculators
@@ -149,3 +151,54 @@ def test_a_cast_copy_matches_at_its_own_precision(setup, tmp_path):
     assert embedding_mismatch(exact, half.get_input_embeddings().weight) is None
     assert torch.equal(full.embed_tokens.weight, exact)
     assert embedding_mismatch(exact.to(torch.bfloat16) + 1, exact) == "differs from the target's"
+
+
+def test_speculators_version_names_the_format_written(setup, tmp_path):
+    root, target = setup
+    save_speculators(Eagle3DraftModel.from_pretrained(root / "shipped", target=target), tmp_path / "spec")
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    # 0.7.0 is the first speculators release whose config defines fc_norm and norm_output, which are written.
+    assert config["speculators_version"] == "0.7.0" and {"fc_norm", "norm_output", "norm_before_fc"} <= set(config)
+
+
+def run(capsys, *argv):
+    code = cli_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_verifier_path_records_a_local_folder(setup, tmp_path, capsys):
+    root, target = setup
+    common = ("--to", "speculators", "--target", root / "target")
+    code, out, err = run(capsys, "convert", root / "shipped", tmp_path / "hub", *common)
+    assert code == 0, err
+    assert f"Recorded the verifier as the Hub id '{HUB_ID}'" in out and "--verifier-path" in out
+    code, out, err = run(capsys, "convert", root / "shipped", tmp_path / "local", *common, "--verifier-path",
+                         os.path.relpath(root / "target"))  # fmt: skip
+    assert code == 0, err
+    folder = str(root / "target")
+    assert f"Recorded the verifier as the local folder '{folder}'" in out and "offline" in out
+    verifier = json.loads((tmp_path / "local" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": folder, "architectures": ["LlamaForCausalLM"]}
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "local").config.target_name_or_path == folder
+
+
+def test_verifier_path_refusals(setup, tmp_path, capsys):
+    root, _ = setup
+    (tmp_path / "empty").mkdir()
+    tiny_llama(vocab=V + 4).save_pretrained(tmp_path / "other")
+    capsys.readouterr()
+    base = ("convert", root / "shipped", tmp_path / "out", "--target", root / "target")
+    cases = [
+        (("--to", "eagle", "--verifier-path", root / "target"), "it needs --to speculators, got --to eagle"),
+        (("--to", "speculators", "--verifier-path", tmp_path / "nowhere"), "does not exist"),
+        (("--to", "speculators", "--verifier-path", tmp_path / "empty"), "holds no transformers checkpoint"),
+        (("--to", "speculators", "--verifier-path", tmp_path / "other"), "vocabulary size 100 (draft expects 96)"),
+        (("--to", "speculators", "--target-id", root / "target"), "is not a Hub id; expected 'org/name' (to record"),
+        (("--to", "speculators", "--target-id", HUB_ID, "--verifier-path", root / "target"), "pass one of them"),
+    ]
+    for flags, message in cases:
+        code, _, err = run(capsys, *base, *flags)
+        lines = [line for line in err.splitlines() if "error" in line]  # besides the target's loading bars
+        assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, (flags, err)
+        assert not (tmp_path / "out").exists()

@@ -35,8 +35,11 @@ EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Layer families speculators can build (transformer_layer_config.model_type).
 SPECULATORS_LAYER_TYPES = ("llama", "qwen3")
 _SPECULATORS_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Version of the speculators config format these files follow (what its converter writes).
-SPECULATORS_VERSION = "0.4.0.1"
+# The speculators release whose config format `speculators_config_dict` writes: 0.7.0 is the first whose
+# Eagle3SpeculatorConfig defines every field written here (fc_norm and norm_output arrived in it, norm_before_fc and
+# qwen3 layers before). speculators records its own version in this field when it saves, and an older reader keeps
+# flags it does not know without applying them, building another model without a word.
+SPECULATORS_VERSION = "0.7.0"
 # Prefixes some exports put in front of every key (a wrapper module's attribute name).
 _KEY_PREFIXES = ("draft_model.", "model.")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -357,14 +360,16 @@ def save_speculators(
     include_embedding: bool | None = None,
     target_id: str | None = None,
     embedding: torch.Tensor | None = None,
-) -> None:
-    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.{i}.*`` weights, safetensors).
+) -> str:
+    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.{i}.*`` weights, safetensors)
+    and return the verifier it records (``speculators_config.verifier.name_or_path``).
 
     The embedding is always written, in the dtype it came in (`stored_embedding`): speculators fills a missing one
     with zeros without a word. A draft without one raises `ValueError` (load it with its target). `embedding` (the
     target's own input embedding) is written in its own dtype instead of the draft's copy. `target_id` names the
-    target when the draft records no Hub id for it (see `target_identity`). Raises `ValueError` if the draft's layer
-    type is not one speculators builds (llama, qwen3).
+    verifier instead of what the draft records: a Hub id, which speculators fetches from the Hub, or a local folder
+    holding the target (config.json and weights), which it loads offline (see `target_identity`). Raises
+    `ValueError` if the draft's layer type is not one speculators builds (llama, qwen3).
     """
     if include_embedding is False or (embedding is None and not draft.embedding_loaded):
         raise ValueError(
@@ -386,6 +391,7 @@ def save_speculators(
             )
         tensors[EMBED_KEY] = embedding.detach().cpu().contiguous()
     _write(out_dir, config, tensors)
+    return str(config["speculators_config"]["verifier"]["name_or_path"])
 
 
 def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool = False) -> None:
