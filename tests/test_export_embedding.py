@@ -70,14 +70,17 @@ def stored(folder):
     "to, flags, reload_with_target",
     [("native", [], False), ("eagle", ["--include-embedding"], False), ("eagle", [], True), ("speculators", [], False)],
 )
-def test_each_layout_reloads_bit_identical(setup, tmp_path, to, flags, reload_with_target):
+def test_each_layout_reloads_bit_identical(setup, tmp_path, capsys, to, flags, reload_with_target):
     root, target = setup
     assert convert(root / "shipped", tmp_path / "out", "--to", to, "--target", root / "target", *flags) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]  # not progress bars
     tensors = stored(tmp_path / "out")
     assert tensors["fc.weight"].dtype == torch.bfloat16  # the draft's own weights keep their dtype
     if reload_with_target:
         assert "embed_tokens.weight" not in tensors
+        assert len(warnings) == 1 and "must supply the target's" in warnings[0] and "--include-embedding" in warnings[0]
     else:
+        assert warnings == []
         embedding = tensors["embed_tokens.weight"]
         assert embedding.dtype == torch.float32 and torch.equal(embedding, target.get_input_embeddings().weight)
     for dtype in ("auto", torch.float32):  # bfloat16 as shipped, and float32, where a rounded embedding would show

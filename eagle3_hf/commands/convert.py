@@ -11,6 +11,7 @@ existing non-empty DST is replaced only with `--overwrite-output-dir`, and never
 from __future__ import annotations
 
 import argparse
+import sys
 
 from eagle3_hf.commands import say
 
@@ -112,4 +113,10 @@ def run_cli(args: argparse.Namespace) -> int:
     say(f"Wrote the {args.to} draft to {args.dst}")
     if args.to == SPECULATORS:
         say(_recorded(verifier))
+    if args.to == EAGLE and not args.include_embedding:
+        # The layout's consumers take a missing embedding from the target, but `speculators convert` fills it with
+        # zeros and nothing complains: say so while the user can still add it.
+        print("eagle3-hf convert: warning: wrote no token embedding (the official layout leaves it out); a tool "
+              "converting this checkpoint onward must supply the target's, or it may load zeros in its place: pass "
+              "--include-embedding to write it", file=sys.stderr)  # fmt: skip
     return 0
