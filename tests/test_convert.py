@@ -381,7 +381,10 @@ def test_round_trip_through_external_layout_is_bit_exact(tmp_path, target, to, o
     back = Eagle3DraftModel.from_pretrained(tmp_path / to, dtype="auto")
     back.save_pretrained(tmp_path / "native2")
     again = Eagle3DraftModel.from_pretrained(tmp_path / "native2", dtype="auto")
-    assert_same_draft(draft, again)
+    assert_same_draft(loaded, again)
+    # The draft's weights as cast; the embedding the target's own (a cast copy is replaced by the exact one).
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in draft.state_dict().items() if "embed" not in k)
+    assert torch.equal(again.embed_tokens.weight, target.get_input_embeddings().weight)
     if to == "speculators":
         assert again.config.target_name_or_path == draft.config.target_name_or_path
 
@@ -584,19 +587,6 @@ def test_random_embedding_differs_from_target(tmp_path, target):
     assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
     with pytest.raises(ValueError, match="use_target_embedding=True needs the target"):
         Eagle3DraftModel.from_pretrained(path, use_target_embedding=True)
-
-
-def test_half_precision_copy_of_the_target_embedding_is_accepted(tmp_path, target):
-    path, w, _ = make_checkpoint(tmp_path, target, embed="target")
-    # trained beside a bf16 copy of the target, saved in fp32: bf16-rounded values in an fp32 tensor
-    rounded = Eagle3DraftModel.from_pretrained(path)
-    with torch.no_grad():
-        rounded.embed_tokens.weight.copy_(target.get_input_embeddings().weight.to(torch.bfloat16).float())
-    rounded.save_pretrained(tmp_path / "rounded")
-    Eagle3DraftModel.from_pretrained(tmp_path / "rounded", target=target)
-    draft = Eagle3DraftModel.from_pretrained(path, dtype=torch.bfloat16)
-    draft.save_pretrained(tmp_path / "bf16")
-    Eagle3DraftModel.from_pretrained(tmp_path / "bf16", target=target, dtype="auto")
 
 
 def test_unknown_layout_and_missing_files(tmp_path, target):

@@ -45,7 +45,7 @@ from eagle3_hf.generation.steps import (
     verify,
 )
 from eagle3_hf.modeling._compat import generate_output_cache_field
-from eagle3_hf.modeling.checkpoints import embeddings_match, whole_tensor
+from eagle3_hf.modeling.embedding import embeddings_match, stored_embedding, whole_tensor
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
 
 
@@ -101,7 +101,7 @@ def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
     else:
         theirs = whole_tensor(target.get_input_embeddings().weight)  # gathered when FSDP2 shards the target
         if tuple(theirs.shape) == tuple(draft.embed_tokens.weight.shape) and not embeddings_match(
-            draft.embed_tokens.weight, theirs
+            stored_embedding(draft), theirs  # in the dtype it came in: the draft may hold it upcast
         ):
             raise ValueError(
                 "The draft's token embedding differs from this target's (same shape, other values): it was trained "

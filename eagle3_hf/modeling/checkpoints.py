@@ -23,6 +23,15 @@ from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
+from eagle3_hf.modeling.embedding import (  # noqa: F401  (embeddings_match, whole_tensor: re-exported)
+    embedding_mismatch,
+    embeddings_match,
+    finer,
+    set_embedding,
+    stored_embedding,
+    target_embedding,
+    whole_tensor,
+)
 from eagle3_hf.modeling.layer_keys import check_layers_present
 from eagle3_hf.modeling.layouts import (
     CONFIG_NAME,
@@ -257,31 +266,6 @@ def _check_target(config: Eagle3DraftConfig, target: PreTrainedModel) -> None:
     config.validate()
 
 
-def embeddings_match(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
-    """Equal up to bfloat16 rounding. A checkpoint may be stored in half precision, and a draft trained beside a
-    bfloat16 target holds that target's rounded embedding even when saved in float32; a re-initialised random
-    embedding differs by far more than that."""
-    eps = max(torch.finfo(ours.dtype).eps, torch.finfo(theirs.dtype).eps, torch.finfo(torch.bfloat16).eps)
-    scale = float(theirs.detach().abs().max()) or 1.0
-    for start in range(0, ours.shape[0], 8192):  # row chunks: a 128k x 4k embedding in fp32 is 2 GB
-        a = ours[start : start + 8192].detach().float()
-        b = theirs[start : start + 8192].detach().to(a.device).float()
-        if not torch.allclose(a, b, rtol=eps, atol=eps * scale):
-            return False
-    return True
-
-
-def whole_tensor(weight: torch.Tensor) -> torch.Tensor:
-    """A weight of the target, whole: one of a target sharded with FSDP2 is a slice per process (a DTensor),
-    gathered here (a collective: every process of the group must call this). Other tensors are returned as they are."""
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-
-
-def target_embedding(target: PreTrainedModel) -> torch.Tensor:
-    """The target's input embedding weight ``[V, H]``, whole (gathered from an FSDP2-sharded target)."""
-    return whole_tensor(target.get_input_embeddings().weight)
-
-
 def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, replace: bool) -> None:
     """Give the draft the target's embedding where it has none; refuse one that differs unless `replace`."""
     config = draft.config
@@ -294,12 +278,17 @@ def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, rep
             )
         draft.load_target_embedding(target)
     elif tuple(draft.embed_tokens.weight.shape) == tuple(target_weight.shape):
-        if not embeddings_match(draft.embed_tokens.weight, target_weight):
+        ours = stored_embedding(draft)
+        why = embedding_mismatch(ours, target_weight)
+        if why is not None:
             raise ValueError(
-                f"{source}: the checkpoint's token embedding differs from the target's. Exports sometimes carry a "
-                "re-initialised random embedding, which silently ruins acceptance. Pass use_target_embedding=True "
-                "to use the target's embedding instead."
+                f"{source}: the checkpoint's token embedding {why}. Pass use_target_embedding=True to use the "
+                "target's embedding instead (exports sometimes carry a re-initialised random one, which silently "
+                "ruins acceptance)."
             )
+        if finer(target_weight.dtype, ours.dtype):
+            # A cast copy (the target's rounded to a narrower dtype): the embedding is the target's, so take its own.
+            draft.load_target_embedding(target)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,9 +320,11 @@ def load_draft(
         target: the target model. The draft is checked against it, takes its embedding when the checkpoint has
             none, defaults to its dtype and device, and is bound to it (`draft.bind(target)`).
         use_target_embedding (`bool`): replace an embedding stored in the checkpoint by the target's; without it, a
-            stored embedding that differs from the target's raises `ValueError`.
+            stored embedding that is not bit for bit the target's raises `ValueError` (one stored in a narrower dtype
+            must be the target's rounded to it, and is then replaced by the target's own; see `embedding_mismatch`).
         dtype / torch_dtype, device, device_map, attn_implementation, ...: as for `PreTrainedModel.from_pretrained`;
-            `dtype` defaults to the target's, else to the checkpoint's ("auto").
+            `dtype` defaults to the target's, else to the checkpoint's ("auto": its own weights' dtype). The embedding
+            is never rounded: a narrower `dtype` keeps it in its source's precision (`set_embedding`).
     """
     use_target_embedding = bool(kwargs.pop("use_target_embedding", False))
     hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
@@ -362,10 +353,14 @@ def load_draft(
     _prepare_vocab(state_dict, config, source)
     _check_state_dict(cls, config, state_dict, f"{source} ({layout} layout)")
     has_embedding = EMBED_KEY in state_dict
+    if dtype is None or dtype == "auto":
+        # The dtype of the draft's own weights as stored. transformers' "auto" takes the first floating tensor's,
+        # which is the embedding's when there is one, and exports keep that in the target's (maybe wider) dtype.
+        dtype = state_dict["fc.weight"].dtype
 
     with _quiet_transformers():
         draft, info = PreTrainedModel.from_pretrained.__func__(
-            cls, None, *model_args, config=config, state_dict=state_dict, dtype=dtype or "auto",
+            cls, None, *model_args, config=config, state_dict=state_dict, dtype=dtype,
             output_loading_info=True, **kwargs,
         )  # fmt: skip
     leftovers = (set(info["missing_keys"]) - {EMBED_KEY}) | set(info["unexpected_keys"]) | set(info["mismatched_keys"])
@@ -374,6 +369,8 @@ def load_draft(
         raise ValueError(f"{source}: transformers did not load every weight: {problems}")
     draft.config._name_or_path = os.fspath(path_or_id)
     draft.embedding_loaded = has_embedding
+    if has_embedding:  # as stored: transformers cast it to the draft's dtype, which may round it
+        set_embedding(draft, state_dict[EMBED_KEY])
     draft.training_info = _read_training_info(path_or_id)
     draft.embed_tokens.weight.requires_grad_(False)  # frozen, like the target's; the reload made a fresh Parameter
     if device is not None:

@@ -13,6 +13,7 @@ import copy
 
 import torch
 
+from eagle3_hf.modeling.embedding import set_embedding, stored_embedding
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = ["grow_draft_layers"]
@@ -72,6 +73,8 @@ def grow_draft_layers(draft: Eagle3DraftModel, num_hidden_layers: int) -> Eagle3
     for name, param in grown.named_parameters():
         param.requires_grad_(trainable.get(name, True))
     grown.embedding_loaded = draft.embedding_loaded
+    if draft.embedding_loaded:  # load_state_dict cast it to the grown draft's dtype: keep it exact, as it came in
+        set_embedding(grown, stored_embedding(draft))
     grown.training_info = copy.deepcopy(draft.training_info)
     grown.train(draft.training)
     return grown

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.modeling.embedding import resolve_include_embedding, stored_embedding
 from eagle3_hf.modeling.identity import is_hub_id, target_identity  # noqa: F401  (is_hub_id: re-exported)
 from eagle3_hf.modeling.layer_keys import from_numbered, to_numbered
 
@@ -34,8 +35,11 @@ EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Layer families speculators can build (transformer_layer_config.model_type).
 SPECULATORS_LAYER_TYPES = ("llama", "qwen3")
 _SPECULATORS_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Version of the speculators config format these files follow (what its converter writes).
-SPECULATORS_VERSION = "0.4.0.1"
+# The speculators release whose config format `speculators_config_dict` writes: 0.7.0 is the first whose
+# Eagle3SpeculatorConfig defines every field written here (fc_norm and norm_output arrived in it, norm_before_fc and
+# qwen3 layers before). speculators records its own version in this field when it saves, and an older reader keeps
+# flags it does not know without applying them, building another model without a word.
+SPECULATORS_VERSION = "0.7.0"
 # Prefixes some exports put in front of every key (a wrapper module's attribute name).
 _KEY_PREFIXES = ("draft_model.", "model.")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -326,25 +330,16 @@ def speculators_config_dict(
 
 
 def _export_tensors(draft: Any, include_embedding: bool, numbered: bool) -> dict[str, torch.Tensor]:
-    """The draft's tensors under the layout's names: ours, or with `numbered` layers ``layers.{i}.*``."""
+    """The draft's tensors under the layout's names: ours, or with `numbered` layers ``layers.{i}.*``; the embedding
+    in the dtype it came in (`stored_embedding`), bit for bit."""
     tensors = {}
     for key, tensor in draft.state_dict().items():
-        if key == EMBED_KEY and not include_embedding:
-            continue
+        if key == EMBED_KEY:
+            if not include_embedding:
+                continue
+            tensor = stored_embedding(draft)
         tensors[to_numbered(key) if numbered else key] = tensor.detach().cpu().contiguous()
     return tensors
-
-
-def resolve_include_embedding(draft: Any, include_embedding: bool | None) -> bool:
-    """Whether to write the embedding: `None` means "if the draft has one"; True without one raises ValueError."""
-    if include_embedding is None:
-        return bool(draft.embedding_loaded)
-    if include_embedding and not draft.embedding_loaded:
-        raise ValueError(
-            "include_embedding=True, but this draft has no token embedding (its checkpoint had none); load it with "
-            "target=... or call draft.load_target_embedding(target) first."
-        )
-    return bool(include_embedding)
 
 
 def _write(out_dir: str | os.PathLike, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -365,14 +360,16 @@ def save_speculators(
     include_embedding: bool | None = None,
     target_id: str | None = None,
     embedding: torch.Tensor | None = None,
-) -> None:
-    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.{i}.*`` weights, safetensors).
+) -> str:
+    """Write `draft` in the speculators layout (``Eagle3Speculator`` config, ``layers.{i}.*`` weights, safetensors)
+    and return the verifier it records (``speculators_config.verifier.name_or_path``).
 
-    The embedding is always written: speculators fills a missing one with zeros without a word. A draft without
-    one raises `ValueError` (load it with its target). `embedding` (the target's own input embedding) is written in
-    its own dtype, the target's precision, instead of the draft's copy. `target_id` names the target when the draft
-    records no Hub id for it (see `target_identity`). Raises `ValueError` if the draft's layer type is not one
-    speculators builds (llama, qwen3).
+    The embedding is always written, in the dtype it came in (`stored_embedding`): speculators fills a missing one
+    with zeros without a word. A draft without one raises `ValueError` (load it with its target). `embedding` (the
+    target's own input embedding) is written in its own dtype instead of the draft's copy. `target_id` names the
+    verifier instead of what the draft records: a Hub id, which speculators fetches from the Hub, or a local folder
+    holding the target (config.json and weights), which it loads offline (see `target_identity`). Raises
+    `ValueError` if the draft's layer type is not one speculators builds (llama, qwen3).
     """
     if include_embedding is False or (embedding is None and not draft.embedding_loaded):
         raise ValueError(
@@ -394,12 +391,15 @@ def save_speculators(
             )
         tensors[EMBED_KEY] = embedding.detach().cpu().contiguous()
     _write(out_dir, config, tensors)
+    return str(config["speculators_config"]["verifier"]["name_or_path"])
 
 
 def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool = False) -> None:
     """Write `draft` in the official SafeAILab / SpecForge layout (``LlamaForCausalLMEagle3``, ``midlayer.*``).
 
-    Like the official training code, the embedding is left out unless `include_embedding`. Raises `ValueError` for
+    Like the official training code, the embedding is left out unless `include_embedding` (then written in the dtype
+    it came in, `stored_embedding`). A consumer converting a file without it onward must supply the target's
+    embedding: `speculators convert` loads zeros in its place without a word. Raises `ValueError` for
     a draft the layout cannot express (more than one decoder layer, norm_before_residual, norm_before_fc,
     norm_output, a non-Llama layer) and for one whose hidden size differs from the target's without its own
     embedding (the target's cannot stand in).

@@ -31,7 +31,8 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eagle3_hf.modeling.atomic import apply_umask
-from eagle3_hf.modeling.checkpoints import load_draft, target_embedding
+from eagle3_hf.modeling.checkpoints import load_draft
+from eagle3_hf.modeling.embedding import set_embedding, stored_embedding, target_embedding
 from eagle3_hf.modeling.families import get_family
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
@@ -148,8 +149,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        # Set by whoever fills `embed_tokens` with the target's embedding (from_target, loaders).
+        # Set with the dtype the target's embedding came in by `set_embedding` (from_target, loaders); exports use it.
         self.embedding_loaded = False
+        self.embedding_dtype: torch.dtype | None = None
         self.training_info: dict[str, Any] | None = None  # written by save_pretrained (training_info.json, card)
         self.gradient_checkpointing = False
         self.post_init()
@@ -173,17 +175,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return draft
 
     def load_target_embedding(self, target: PreTrainedModel) -> None:
-        """Copy (and freeze) the target's token embedding into the draft (gathered from an FSDP2-sharded target)."""
-        weight = target_embedding(target)
-        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(
-                f"The target's token embedding has shape {tuple(weight.shape)}, the draft expects "
-                f"{tuple(self.embed_tokens.weight.shape)} (vocab_size, hidden_size)."
-            )
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(weight.detach().to(self.embed_tokens.weight.dtype))
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embedding_loaded = True
+        """Copy (and freeze) the target's token embedding, exactly (`set_embedding`), gathered from an FSDP2 target."""
+        set_embedding(self, target_embedding(target))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The draft's own weights' dtype (what save_pretrained records), not the maybe wider embedding's."""
+        return self._modules["fc"].weight.dtype if "fc" in self._modules else super().dtype
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a draft vocabulary mapping (offsets `d2t` `[Vd]`, membership `t2d` `[V]`), after checking it."""
@@ -347,9 +345,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
         `include_embedding=False` keeps shipped drafts small; loading one then needs `target=`. An embedding that was
         never loaded is always left out: it holds random values until the draft gets the target's, and saving them
-        would make a later load take them for a real embedding. A README.md this library did not write is kept."""
-        if (not self.embedding_loaded or not include_embedding) and state_dict is None:
+        would make a later load take them for a real embedding. A loaded one is written in the dtype it came in, bit
+        for bit (`stored_embedding`). A README.md this library did not write is kept.
+        """
+        if state_dict is None:
             state_dict = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+            if self.embedding_loaded and include_embedding:
+                state_dict["embed_tokens.weight"] = stored_embedding(self)
         result = super().save_pretrained(save_directory, is_main_process, state_dict, **kwargs)
         if is_main_process:
             self._save_card(os.fspath(save_directory))
