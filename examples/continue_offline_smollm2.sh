@@ -46,10 +46,11 @@ eagle3-hf vocab --target smollm2 --data $FIRST "$OUT/regen_alpaca" $MORE --outpu
   --max-length 384 --overwrite-output-dir
 
 # 2. Continue the draft from its saved weights on both folders, moved to that vocabulary (tokens it shares with the
-#    shipped draft's keep their head rows, new ones start from the target's). One run, one cosine schedule with warmup
-#    over --max-steps: --resume continues it; starting it again would restart the schedule. The new folder is named
-#    twice, so its conversations are drawn twice as often as the ones the draft has already seen. Every 500 steps it
-#    is evaluated on the held-out conversations (eval_acc_j, eval_coverage, eval_sim_accept_len).
+#    shipped draft's keep their head rows, new ones start at zero, so the draft first drafts what it drafted). One
+#    run, one cosine schedule with warmup over --max-steps: --resume continues it; starting it again would restart
+#    the schedule. The new folder is named twice, so its conversations are drawn twice as often as the ones the
+#    draft has already seen. Every 500 steps it is evaluated on the held-out conversations (eval_acc_j,
+#    eval_coverage, eval_sim_accept_len).
 eagle3-hf train --target smollm2 --features "$OUT/features_top64_all" "$OUT/features_top64_more" \
   "$OUT/features_top64_more" \
   --output "$OUT/draft_offline" \

@@ -1,4 +1,4 @@
-"""examples/copy_analysis.py: the bigram lookup's sources and the step-0 attention it profiles."""
+"""scripts/research/copy_analysis.py: the bigram lookup's sources and the step-0 attention it profiles."""
 
 import importlib.util
 import pathlib
@@ -11,7 +11,7 @@ from eagle3_hf.training.ttt import ttt_forward
 from eagle3_hf.training.ttt_layer import repeat_kv
 
 _spec = importlib.util.spec_from_file_location(
-    "copy_analysis", pathlib.Path(__file__).parents[1] / "examples" / "copy_analysis.py"
+    "copy_analysis", pathlib.Path(__file__).parents[1] / "scripts" / "research" / "copy_analysis.py"
 )
 copy_analysis = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(copy_analysis)

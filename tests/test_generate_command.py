@@ -37,3 +37,23 @@ def test_generate_streams_the_answer_and_reports_both_speeds(chat_target, capsys
     auto = short_name(resolve_dtype("auto", "cpu"))
     assert f"EAGLE-3 ({auto}, 1 thread(s))" in out and f"plain   ({auto}, 1 thread(s))" in out
     assert "identical output" in out or f"({auto} rounding; `eagle3-hf bench` reports the fp32 margin" in out
+
+
+def test_without_a_prompt_it_runs_each_built_in_prompt(chat_target, capsys):
+    from eagle3_hf.commands.generate import BUILT_IN_PROMPTS
+
+    folder, _ = chat_target
+    args = ["generate", "--target", str(folder), "--draft", "random", "--max-new-tokens", "6", "--threads", "1",
+            "--dtype", "float32"]  # fmt: skip
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    blocks = out.split(">>> ")[1:]  # one per prompt: its header line, the streamed answer, then the report
+    assert len(blocks) == len(BUILT_IN_PROMPTS) >= 2
+    for prompt, block in zip(BUILT_IN_PROMPTS, blocks):
+        header, _, rest = block.partition("\n")
+        assert header == prompt
+        streamed, _, summary = rest.partition("\nEAGLE-3 (fp32, 1 thread(s)): ")
+        assert streamed.strip() == _expected_answer(folder, prompt, 6).strip()
+        assert re.match(r"\d+ tokens in [\d.]+ s \([\d.]+ tok/s\); tau [\d.]+ over the \d+ of \d+ cycles that "
+                        r"drafted \(\d+%\)", summary)  # fmt: skip
+        assert re.search(r"speedup: [\d.]+x, identical output", summary)

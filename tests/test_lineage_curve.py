@@ -1,4 +1,5 @@
-"""examples/lineage_curve.py: point parsing, the per-doubling fit and reading a draft folder out of git history."""
+"""scripts/research/lineage_curve.py: point parsing, the per-doubling fit and reading a draft folder out of git
+history."""
 
 import importlib.util
 import math
@@ -8,7 +9,7 @@ import subprocess
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "lineage_curve", pathlib.Path(__file__).parents[1] / "examples" / "lineage_curve.py"
+    "lineage_curve", pathlib.Path(__file__).parents[1] / "scripts" / "research" / "lineage_curve.py"
 )
 lineage_curve = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lineage_curve)

@@ -120,6 +120,23 @@ def test_trainer_writes_our_card_not_the_stock_one(draft, tmp_path):
     assert "fine-tuned version of" not in card.text and "the None dataset" not in card.text
 
 
+def test_model_cards_holds_each_shipped_drafts_card_as_the_package_ships_it():
+    from eagle3_hf.hub import SHIPPED_DRAFTS
+
+    folder, shipped = ROOT / "model_cards", ROOT / "eagle3_hf" / "drafts"
+    drafts = sorted(SHIPPED_DRAFTS.values())
+    assert drafts == sorted(p.name for p in shipped.iterdir() if (p / "config.json").is_file())
+    assert sorted(p.stem for p in folder.glob("*.md") if p.name != "README.md") == drafts  # none missing, none stale
+    for name in drafts:  # the package's card is the source: the wheel carries it with the weights
+        assert (folder / f"{name}.md").read_bytes() == (shipped / name / "README.md").read_bytes(), (
+            f"model_cards/{name}.md differs from the shipped card: cp eagle3_hf/drafts/{name}/README.md "
+            f"model_cards/{name}.md"
+        )
+    index = (folder / "README.md").read_text(encoding="utf-8")
+    assert all(f"]({name}.md)" in index for name in drafts)
+    assert "](../eagle3_hf/modeling/templates/model_card.md)" in index  # where the one template lives
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """The package built as a wheel (from a copy of the sources, without build isolation) and installed with pip

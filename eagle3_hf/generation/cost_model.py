@@ -64,9 +64,9 @@ class LinearCost:
 
 # Priors before a call has measured anything, per (device type, dtype): verify cost a + b*n relative to one token
 # (a = 1) and one draft level relative to one token. Measured with a ~135M-parameter target and its one-layer draft
-# (examples/verify_cost.py, examples/draft_step_cost.py): on a CPU with bf16 matmul units, verifying 32 tokens
-# costs ~1.5x one token in bf16 but ~3x in fp32; on a GPU a few dozen tokens cost about one. They only shape the
-# first cycles and the slope while every cycle verifies one size: measured times replace them.
+# (scripts/research/verify_cost.py, scripts/research/draft_step_cost.py): on a CPU with bf16 matmul units,
+# verifying 32 tokens costs ~1.5x one token in bf16 but ~3x in fp32; on a GPU a few dozen tokens cost about one.
+# They only shape the first cycles and the slope while every cycle verifies one size: measured times replace them.
 _PRIORS: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     ("cpu", torch.float32): (1.0 / 15, 0.10),
     ("cpu", torch.bfloat16): (1.0 / 60, 0.05),

@@ -11,10 +11,11 @@ training, counted on across resumes.
 
 Usage (SmolLM2; `regen_mtbench/` from examples/data/smollm2_mtbench_turn1_regen.tar.gz):
 
-    python examples/learning_curve.py --run work_data/draft_mix --init-draft eagle3_hf/drafts/smollm2-135m-instruct \
+    python scripts/research/learning_curve.py --run work_data/draft_mix \
+        --init-draft eagle3_hf/drafts/smollm2-135m-instruct \
         --eval "MT-bench turn 1=work_data/regen_mtbench" \
         --eval "held-out ShareGPT=work_data/regen_sharegpt:held-out" \
-        --csv examples/results/curve/curve.csv --png examples/results/curve/curve.png
+        --csv scripts/research/results/curve/curve.csv --png scripts/research/results/curve/curve.png
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 the upper layer of a grown draft?
 
 The SmolLM2 draft's first-layer attention (the 625-step 16,384-id draft, shipped at the time) is diffuse
-(`examples/copy_analysis.py --attention`: a query's largest weight averages 0.2-0.36 per head, its own position gets
-under 0.02), it copies from its context far less often than the target does, and its q/k weights moved the least
-from their initial scale (RMS 0.025-0.027 against 0.02 at initialisation; the MLP's 0.031-0.034). Adam moves every
-weight by about the learning rate per step whatever the gradient's size, so a larger learning rate on
+(`scripts/research/copy_analysis.py --attention`: a query's largest weight averages 0.2-0.36 per head, its own
+position gets under 0.02), it copies from its context far less often than the target does, and its q/k weights moved
+the least from their initial scale (RMS 0.025-0.027 against 0.02 at initialisation; the MLP's 0.031-0.034). Adam
+moves every weight by about the learning rate per step whatever the gradient's size, so a larger learning rate on
 `q_proj`/`k_proj` alone is the direct test of "the attention is under-trained". This script continues a draft on
 regenerated conversations (online target features and logits, TTT, the train command's AdamW settings: betas
 0.9/0.95, no weight decay, clipping 0.5; 20 warmup steps then a constant rate; batch 2 x 2 accumulated) with
@@ -19,15 +19,15 @@ layers' `o_proj`/`down_proj` weights (zero while they are the identity). The qk*
 
 Usage (one thread per run; `regen_*` folders from the archives in examples/data):
 
-    python examples/attention_lr.py --draft eagle3_hf/drafts/smollm2-135m-instruct \
+    python scripts/research/attention_lr.py --draft eagle3_hf/drafts/smollm2-135m-instruct \
         --data work_data/regen_sharegpt --eval work_data/regen_mtbench --qk-lr-scale 10 \
-        --cpu-seconds 1200 --output examples/results/attention_lr/qk10.jsonl
+        --cpu-seconds 1200 --output scripts/research/results/attention_lr/qk10.jsonl
 
 and for the added layer of a grown draft (a checkpoint folder of `eagle3-hf train --num-hidden-layers 2`):
 
-    python examples/attention_lr.py --draft work_data/draft_mix2L/checkpoint-375 --data work_data/regen_sharegpt \
-        --eval work_data/regen_mtbench --scaled-params upper_layers --lr-scale 30 --cpu-seconds 1350 \
-        --output examples/results/attention_lr/upper30.jsonl
+    python scripts/research/attention_lr.py --draft work_data/draft_mix2L/checkpoint-375 \
+        --data work_data/regen_sharegpt --eval work_data/regen_mtbench --scaled-params upper_layers \
+        --lr-scale 30 --cpu-seconds 1350 --output scripts/research/results/attention_lr/upper30.jsonl
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
 def sharpness(draft, ids: torch.Tensor, features: torch.Tensor, attention_mask: torch.Tensor) -> float:
     """Mean over heads and queries (from the 65th token on) of a query's largest first-layer attention weight."""
-    from copy_analysis import step0_attention  # examples/ is on sys.path when this script runs
+    from copy_analysis import step0_attention  # its folder is on sys.path when this script runs
 
     probs = step0_attention(draft, ids, features.float(), attention_mask)  # [1, heads, S, S]
     return probs[0, :, 64:].max(dim=-1).values.mean().item()

@@ -27,8 +27,8 @@ just-verified token: the same prediction with ``x_{t+1}`` replaced by a random f
 
 Usage (SmolLM2; `regen_mtbench/` from examples/data/smollm2_mtbench_turn1_regen.tar.gz):
 
-    python examples/copy_analysis.py --draft eagle3_hf/drafts/smollm2-135m-instruct \
-        --data work_data/regen_mtbench --json examples/results/copy_analysis.json
+    python scripts/research/copy_analysis.py --draft eagle3_hf/drafts/smollm2-135m-instruct \
+        --data work_data/regen_mtbench --json scripts/research/results/copy_analysis.json
 """
 
 from __future__ import annotations

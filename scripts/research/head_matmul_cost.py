@@ -1,10 +1,10 @@
 """Time the target's output head (a [V, H] matmul) for 1 ... 16 rows, the way a verify forward calls it.
 
-`examples/verify_cost.py` shows that on a CPU verifying 2 tokens can cost more than verifying 4. This isolates the
-reason: the time `torch.nn.functional.linear` takes for the SmolLM2 head shape (49,152 x 576, fp32) at a few rows,
-next to the same product computed as ``(W @ x.T).T`` (another BLAS path). It needs no model download.
+`scripts/research/verify_cost.py` shows that on a CPU verifying 2 tokens can cost more than verifying 4. This
+isolates the reason: the time `torch.nn.functional.linear` takes for the SmolLM2 head shape (49,152 x 576, fp32) at
+a few rows, next to the same product computed as ``(W @ x.T).T`` (another BLAS path). It needs no model download.
 
-Usage: python examples/head_matmul_cost.py [--vocab 49152] [--hidden 576] [--threads 1] [--repeats 30]
+Usage: python scripts/research/head_matmul_cost.py [--vocab 49152] [--hidden 576] [--threads 1] [--repeats 30]
 """
 
 import argparse

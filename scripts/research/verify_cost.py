@@ -5,7 +5,7 @@ verify forward over the n tree nodes. On a GPU t(n) stays near t(1) for n up to 
 memory-bound); on a small CPU it grows with n. This prints t(n) for a target at a realistic context length, and the
 tau that a tree of n nodes needs to break even and to reach 2.5x (ignoring draft time, so these are lower bounds).
 
-Usage: python examples/verify_cost.py [--target smollm2] [--context 300] [--threads 1] [--dtype float32]
+Usage: python scripts/research/verify_cost.py [--target smollm2] [--context 300] [--threads 1] [--dtype float32]
        (--dtype bfloat16 prepacks the weights for oneDNN, as `eagle3-hf bench` and `generate` do on CPU)
 """
 

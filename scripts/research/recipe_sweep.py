@@ -13,10 +13,10 @@ the renormalised in-vocabulary distribution (`--oov renorm`, this project's form
 
 Usage (SmolLM2; the folders come from `examples/train_smollm2.sh` and the committed archives in `examples/data`):
 
-    python examples/recipe_sweep.py cache --data work_data/regen_sharegpt/shard_000{00..15}.jsonl \
+    python scripts/research/recipe_sweep.py cache --data work_data/regen_sharegpt/shard_000{00..15}.jsonl \
         --max-conversations 1024 --output work_data/sweep/train.pt
-    python examples/recipe_sweep.py cache --data work_data/regen_mtbench --output work_data/sweep/mt.pt
-    python examples/recipe_sweep.py run --name cont_lr1e-4 --init-draft eagle3_hf/drafts/smollm2-135m-instruct \
+    python scripts/research/recipe_sweep.py cache --data work_data/regen_mtbench --output work_data/sweep/mt.pt
+    python scripts/research/recipe_sweep.py run --name cont_lr1e-4 --init-draft eagle3_hf/drafts/smollm2-135m-instruct \
         --lr 1e-4 --cpu-seconds 420 --train work_data/sweep/train.pt --eval work_data/sweep/mt.pt
 """
 

@@ -1,6 +1,6 @@
-"""Print the ablation results of examples/ablations_smollm2.sh as a Markdown table.
+"""Print the ablation results of scripts/research/ablations_smollm2.sh as a Markdown table.
 
-Usage: python examples/ablation_table.py work_data/ablations
+Usage: python scripts/research/ablation_table.py work_data/ablations
 Reads each run's bench.json (EAGLE-3 chain on MT-bench) and trainer_state.json (last logged TTT accuracies).
 """
 
@@ -45,5 +45,5 @@ def main(root: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python examples/ablation_table.py ABLATIONS_FOLDER")
+        raise SystemExit("usage: python scripts/research/ablation_table.py ABLATIONS_FOLDER")
     main(sys.argv[1])

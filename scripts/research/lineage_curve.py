@@ -11,16 +11,17 @@ gain per doubling of training and where that line reaches ``--target-accuracy``:
 steps may still be climbing at a steady rate per doubling, which points at the amount of training as what holds
 the draft (its size and its data need their own tests). Results already in the CSV are kept (keyed by label and set).
 
-Usage (the shipped SmolLM2 draft's lineage, MT-bench turn 1 answered by the target; see README Status point 7 for
-where each point's conversation count comes from; ``regen_mtbench/`` from
+Usage (the shipped SmolLM2 draft's lineage, MT-bench turn 1 answered by the target; docs/research/draft-accuracy.md,
+"The lineage curve", says where each point's conversation count comes from; ``regen_mtbench/`` from
 examples/data/smollm2_mtbench_turn1_regen.tar.gz):
 
-    python examples/lineage_curve.py --eval "MT-bench turn 1=work_data/regen_mtbench" \
+    python scripts/research/lineage_curve.py --eval "MT-bench turn 1=work_data/regen_mtbench" \
         --point "900=1800=git:df8f842" --point "1700=3400=git:ef8ea80" --point "7700=15400=git:c0088ee" \
         --point "9700=19400=git:0828561" --point "10325=21900=git:2384f74" \
         --point "10700=23400=work_data/draft_mix/checkpoint-1000" --point "10950=24400=git:2d7ed19" \
         --fit-from 3400 --target-accuracy 0.60 \
-        --csv examples/results/curve/curve_lineage.csv --png examples/results/curve/curve_lineage.png
+        --csv scripts/research/results/curve/curve_lineage.csv \
+        --png scripts/research/results/curve/curve_lineage.png
 """
 
 from __future__ import annotations

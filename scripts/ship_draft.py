@@ -1,7 +1,7 @@
 """Turn a trained draft folder into the shipped one: bf16 safetensors, no embedding (it is the target's),
 plus training_info.json and the model card (README.md; `eagle3-hf bench --model-card` adds measurements).
 
-    python examples/ship_draft.py work_data/draft_smollm2 eagle3_hf/drafts/smollm2-135m-instruct \
+    python scripts/ship_draft.py work_data/draft_smollm2 eagle3_hf/drafts/smollm2-135m-instruct \
         --data "..." --command "eagle3-hf train ..."
 """
 

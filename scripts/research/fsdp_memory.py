@@ -1,7 +1,7 @@
 """Per-process memory of online EAGLE-3 training under FSDP2: the formula against a measurement.
 
-    torchrun --nproc_per_node 2 examples/fsdp_memory.py --target smollm2     # FSDP2 over 2 processes
-    python examples/fsdp_memory.py --target smollm2                          # one process, nothing sharded
+    torchrun --nproc_per_node 2 scripts/research/fsdp_memory.py --target smollm2     # FSDP2 over 2 processes
+    python scripts/research/fsdp_memory.py --target smollm2                          # one process, nothing sharded
 
 Loads the target (sharded while it loads under torchrun), trains a fresh draft a few steps on random token rows
 (online features), then prints one JSON line per process: the bytes its shards of the target, the draft and

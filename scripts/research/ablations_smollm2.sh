@@ -11,7 +11,7 @@ set -euo pipefail
 OUT=${OUT:-work_data}
 STEPS=${STEPS:-500}
 # Exactly the 2,052 conversations of the first committed archive (later archives add more; the results in
-# examples/results/ablations used these).
+# scripts/research/results/ablations used these).
 DATA="$OUT/ablation_data/regen_sharegpt"
 if [ ! -d "$DATA" ]; then
   mkdir -p "$OUT/ablation_data" && tar xzf examples/data/smollm2_sharegpt_regen.tar.gz -C "$OUT/ablation_data"
@@ -37,4 +37,4 @@ run top_ttt7_all --ttt-length 7 --target-layer-ids 30,30,30             # (c) th
 run fused_ttt7_128 --ttt-length 7 --max-conversations 128               # (b) 1/16 of the data
 run fused_ttt7_512 --ttt-length 7 --max-conversations 512               # (b) 1/4 of the data
 
-python examples/ablation_table.py "$OUT/ablations"
+python scripts/research/ablation_table.py "$OUT/ablations"

@@ -8,7 +8,7 @@ Methods are interleaved per prompt after a warm-up; greedy outputs are compared 
 Everything runs at one precision (`--dtype auto`: bf16 where the CPU has native bf16 matmul, with prepacked weights;
 fp32 elsewhere) and thread count (default: all cores), the ones the cost model then sizes trees for.
 
-Usage: python examples/tree_shapes.py [--target smollm2] [--draft DIR] [--dtype auto] [--threads N]
+Usage: python scripts/research/tree_shapes.py [--target smollm2] [--draft DIR] [--dtype auto] [--threads N]
        [--num-prompts 10] [--max-new-tokens 64] [--shapes 2,3,4 3,4,8 4,4,12]   (each shape: depth,top_k,total_tokens)
 """
 

@@ -4,12 +4,12 @@ Each draft runs `--ttt-length` steps on its own states (as when drafting) over c
 with `eagle3_hf.training.evaluation.evaluate_draft`: acc_j is the share of supervised tokens where step j's top token
 is the target's top token over its full vocabulary (tokens the draft vocabulary cannot hold count as misses), beside
 the vocabulary's coverage and the simulated acceptance length. This measures many more tokens than a 10-prompt
-benchmark, so small differences between drafts (the ablations of examples/ablations_smollm2.sh) stand out.
+benchmark, so small differences between drafts (the ablations of scripts/research/ablations_smollm2.sh) stand out.
 
 Usage (the held-out split of the regenerated data, then MT-bench turn 1 answered by the target):
-    python examples/eval_drafts.py --target smollm2 --data work_data/regen_sharegpt work_data/regen_alpaca \
+    python scripts/research/eval_drafts.py --target smollm2 --data work_data/regen_sharegpt work_data/regen_alpaca \
         work_data/ablations/fused_ttt7_all work_data/ablations/fused_ttt1_all ...
-    python examples/eval_drafts.py --target smollm2 --data work_data/regen_mtbench --split all DRAFT ...
+    python scripts/research/eval_drafts.py --target smollm2 --data work_data/regen_mtbench --split all DRAFT ...
 """
 
 import argparse

@@ -13,7 +13,7 @@ Medians of `--repeats`, as wall-clock and as this process's CPU time (on a share
 steadier of the two: it leaves out the time other processes held the cores; with one thread it equals the wall
 time of an idle machine).
 
-Usage: python examples/draft_step_cost.py [--target smollm2] [--draft DIR] [--context 300] [--threads 1]
+Usage: python scripts/research/draft_step_cost.py [--target smollm2] [--draft DIR] [--context 300] [--threads 1]
        [--dtypes float32,bfloat16] [--repeats 30]
 """
 
