@@ -33,6 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget, crop_cache
+from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.steps import (
     DecodeRun,
     editable_cache,
@@ -50,7 +51,7 @@ from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
 
 
 # Per-call tree options, also read from a GenerationConfig (GenerationConfig(tree_depth=4) keeps unknown fields).
-TREE_OPTIONS = ("tree_depth", "tree_top_k", "tree_total_tokens", "adaptive_tree")
+TREE_OPTIONS = ("tree_depth", "tree_top_k", "tree_total_tokens", "adaptive_tree", "exact_verify")
 # Options of stock assisted generation that mean nothing for a tree.
 CHAIN_OPTIONS = ("num_assistant_tokens", "num_assistant_tokens_schedule")
 _DEFAULT_CONFIG = GenerationConfig()
@@ -187,12 +188,16 @@ def eagle3_decoding(
     tree_top_k: int | None = None,
     tree_total_tokens: int | None = None,
     adaptive_tree: bool = True,
+    exact_verify: bool | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
     """`custom_generate` callable running EAGLE-3 tree decoding (see the module docstring).
 
     Per-call options (defaults from the draft config): `tree_depth`, `tree_top_k`, `tree_total_tokens`;
     `adaptive_tree=False` always drafts the full tree instead of sizing it with the cost model.
+    `exact_verify` (default: on the CPU) verifies each tree node with the attention call shape of the target's own
+    decoding step, so that bf16 output equals plain bf16 decoding token for token (exact_attention.py); False
+    verifies the whole tree in one tree-masked attention call (identical in fp32 up to near-ties, cheaper).
     """
     draft = eagle3_draft
     if not isinstance(draft, Eagle3DraftModel):
@@ -237,6 +242,15 @@ def eagle3_decoding(
         cost=CycleCostModel.for_device(model.device.type, model.dtype),
     )  # fmt: skip
 
+    if exact_verify is None:
+        exact_verify = model.device.type == "cpu"
+    with exact_verification(model, enabled=exact_verify) as run.exact:
+        _decode(run)
+    return _finish(run, return_dict)
+
+
+def _decode(run: DecodeRun) -> None:
+    """Prefill, then draft -> verify -> accept -> update -> record -> emit until a stopping criterion fires."""
     prefill(run)
     while not run.finished:
         past = run.cache.get_seq_length()
@@ -252,7 +266,6 @@ def eagle3_decoding(
         run.accept_lengths.append(emitted)
         if emitted < len(new_tokens):
             crop_cache(run.cache, past + emitted)
-    return _finish(run, return_dict)
 
 
 def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:

@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from eagle3_hf.generation.cost_model import CycleCostModel
+from eagle3_hf.generation.exact_attention import ExactAttention
 from eagle3_hf.generation.drafting import (
     DraftState,
     TreeBudget,
@@ -58,6 +59,7 @@ class DecodeRun:
     output_scores: bool = False
     output_logits: bool = False
     cost: CycleCostModel = field(default_factory=CycleCostModel)
+    exact: ExactAttention | None = None  # row-exact verification (exact_attention.py); None: one tree-masked call
     state: DraftState = field(default_factory=DraftState)
     scores: tuple[torch.Tensor, ...] = ()
     raw_logits: tuple[torch.Tensor, ...] = ()
@@ -119,7 +121,7 @@ def prefill(run: DecodeRun) -> None:
     with torch.no_grad():
         out = run.model(
             input_ids=run.input_ids[:, run.start :], use_cache=True, output_hidden_states=True, logits_to_keep=1,
-            **cache_kwargs(run.cache),
+            **cache_kwargs(run.cache), **_exact_kwargs(run),
         )  # fmt: skip
     raw = out.logits[:, -1].float()
     processed = run.logits_processor(run.input_ids, raw.clone())
@@ -178,18 +180,25 @@ def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, to
     `[1, T, 3Ht]`.
     """
     model = run.model
-    with torch.no_grad():
-        mask = None
-        if tree.tokens.numel() > 1:
-            mask = _target_mask(model.config, tree_attention_mask(tree.parents), past, model.dtype)
-        out = model(
-            input_ids=tree.tokens[None],
-            attention_mask=mask,
-            position_ids=(past + tree.depths)[None],
-            use_cache=True,
-            output_hidden_states=True,
-            **cache_kwargs(run.cache),
-        )
+    if run.exact is not None:
+        run.exact.set_tree(tree.parents, past)
+    try:
+        with torch.no_grad():
+            mask = None
+            if tree.tokens.numel() > 1:
+                mask = _target_mask(model.config, tree_attention_mask(tree.parents), past, model.dtype)
+            out = model(
+                input_ids=tree.tokens[None],
+                attention_mask=mask,
+                position_ids=(past + tree.depths)[None],
+                use_cache=True,
+                output_hidden_states=True,
+                **cache_kwargs(run.cache),
+                **_exact_kwargs(run),
+            )
+    finally:
+        if run.exact is not None:
+            run.exact.clear_tree()
     raw = out.logits[0].float()  # [T, V]
     processed = _process_tree_scores(run.logits_processor, run.input_ids, tree, raw.clone())
     return raw, processed, select_target_features(out.hidden_states, run.layer_ids)
@@ -251,6 +260,11 @@ def editable_cache(cache: Any) -> DynamicCache:
     # A fresh cache: use plain full-attention layers, which can drop rejected nodes; sliding-window layers are
     # instead masked by the tree mask.
     return DynamicCache()
+
+
+def _exact_kwargs(run: DecodeRun) -> dict[str, Any]:
+    """The keyword that hands the call's row-exact state to the attention function (see exact_attention.py)."""
+    return {} if run.exact is None else {"eagle3_exact": run.exact}
 
 
 def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
