@@ -156,6 +156,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"tau (chain, incl. bonus): {report['tau_chain']:.2f}")
     if "identical" in report:
         lines.append(f"greedy tree outputs identical to plain at the same precision: {report['identical']:.0%}")
+    if "row_exact" in report:
+        lines.append(f"row-invariance probe: {report['row_exact']['description']}")
     for d in report.get("divergences", []):
         gap = "n/a" if d["token_gap"] is None else f"{d['token_gap']:.3f}"
         ulps = d.get("margin_ulps")
@@ -205,6 +207,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"over the {report.get('drafted_cycle_share', 0):.0%} of cycles that drafted; greedy outputs identical to "
             f"plain at the same precision: {report.get('identical', 0):.0%}."
         )
+    if "row_exact" in report:
+        lines.append(f"Row-invariance probe: {report['row_exact']['description']}.")
     flips = [d["margin_ulps"] for d in report.get("divergences", []) if d.get("margin_ulps") is not None]
     if flips:
         lines.append(

@@ -272,6 +272,19 @@ def _add_divergences(report: dict, results: dict, configs: list[BenchConfig], pr
         report["divergences"] = found
 
 
+def row_exact_report(target: Any, exact_verify: bool = True) -> dict[str, Any]:
+    """The row-invariance probe (generation/probe.py) on the speculative target, as decoding verifies on its device
+    (row-exact on the CPU unless `exact_verify` is False): whether its verify forward equals one-token steps bit for
+    bit, and if not which op first differs."""
+    from eagle3_hf.generation.probe import probe_row_exactness
+
+    result = probe_row_exactness(target, exact_verify=exact_verify and target.device.type == "cpu")
+    return {
+        "identical": result.identical, "first_difference": result.first_difference,
+        "max_logit_difference": result.max_logit_difference, "description": result.describe(),
+    }  # fmt: skip
+
+
 def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype]) -> tuple[dict, dict, bool]:
     """The target in every precision needed (loaded once, copied and cast), the draft bound to the speculative one,
     and whether bf16 CPU weights were prepacked."""

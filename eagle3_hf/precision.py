@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI's --help must n
     import torch
 
 __all__ = [
-    "DTYPE_CHOICES", "NATIVE_BF16_FLAGS", "add_precision_arguments", "cpu_flags", "default_threads",
+    "DTYPE_CHOICES", "NATIVE_BF16_FLAGS", "add_exact_verify_argument", "add_precision_arguments", "cpu_flags", "default_threads",
     "has_native_bf16_matmul", "resolve_dtype", "short_name",
 ]
 
@@ -90,3 +90,12 @@ def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
     )  # fmt: skip
     parser.add_argument("--no-prepack", action="store_true", help="keep bf16 CPU weights unpacked (see PackedLinear)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def add_exact_verify_argument(parser: Any) -> None:
+    """`--no-exact-verify`, shared by `generate` and `bench`."""
+    parser.add_argument(
+        "--no-exact-verify", action="store_true",
+        help="verify each tree in one tree-masked attention call instead of row-exact (cheaper; in bf16 the output "
+        "then equals plain decoding only up to near-ties)",
+    )  # fmt: skip

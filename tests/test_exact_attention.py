@@ -76,7 +76,7 @@ def test_tree_rows_equal_one_token_steps(family, implementation):
     target = bf16_target(family, implementation)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for past in (3, 11, 21):  # sliding windows of 5: before, across and past them
+        for past in (3, 11, 21, 509):  # sliding windows of 5: before, across and past them; 512-key kernel blocks
             prompt = torch.randint(0, V, (1, past), generator=generator)
             tokens = torch.randint(0, V, (len(TREE),), generator=generator)
             cache = DynamicCache(config=target.config)  # what plain generate() decodes with
@@ -85,3 +85,142 @@ def test_tree_rows_equal_one_token_steps(family, implementation):
             rows = tree_rows(target, prompt, tokens, TREE, exact=True)
             assert torch.equal(rows, reference), f"{family}/{implementation}, {past} tokens of prefix"
             assert target.config._attn_implementation == implementation  # restored after the call
+
+
+# ------------------------------------------------------------------------------------------------
+# generate(): bf16 EAGLE-3 greedy output equals plain bf16 greedy output
+
+TREES = {
+    "chain": dict(tree_top_k=1, tree_depth=6, adaptive_tree=False),
+    "wide": dict(tree_top_k=8, tree_depth=2, adaptive_tree=False),
+    "deep": dict(tree_top_k=4, tree_depth=5, adaptive_tree=False),
+    "adaptive": dict(),
+}
+NEW = 40  # well past the 5-token sliding windows of the Mistral and Gemma3 targets
+
+
+def greedy(target, prompt, **kwargs):
+    return target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
+                           **kwargs).tolist()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bf16_case():
+    cache = {}
+
+    def get(family, implementation="sdpa"):
+        if (family, implementation) not in cache:
+            target = bf16_target(family, implementation)
+            torch.manual_seed(1)
+            draft = Eagle3DraftModel.from_target(target)
+            generator = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, V, (1, n), generator=generator) for n in (3, 9, 17)]
+            cache[family, implementation] = (target, draft, prompts, [greedy(target, p) for p in prompts])
+        return cache[family, implementation]
+
+    return get
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_greedy_is_token_identical(bf16_case, family, tree):
+    target, draft, prompts, references = bf16_case(family)
+    for prompt, reference in zip(prompts, references):
+        out = greedy(target, prompt, assistant_model=draft, **TREES[tree])
+        assert out == reference, f"{family}/{tree}, prompt of {prompt.shape[1]} tokens"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_greedy_is_token_identical_with_eager(bf16_case, family):
+    target, draft, prompts, references = bf16_case(family, "eager")
+    for prompt, reference in zip(prompts, references):
+        assert greedy(target, prompt, assistant_model=draft, **TREES["deep"]) == reference
+    assert target.config._attn_implementation == "eager"
+
+
+def test_one_tree_masked_call_is_not_exact_in_bf16(bf16_case):
+    """The control: the same cases verified by one tree-masked attention call (exact_verify=False) do differ, so the
+    equalities above are what row-exact verification buys, not what these cases give anyway."""
+    differing = 0
+    for family in FAMILIES:
+        target, draft, prompts, references = bf16_case(family)
+        for prompt, reference in zip(prompts, references):
+            differing += greedy(target, prompt, assistant_model=draft, exact_verify=False, **TREES["deep"]) != reference
+    assert differing > 0
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir):
+    """The real target in bf16 with prepacked weights (how `bench` and `generate` decode on a bf16 CPU) and the
+    shipped draft: EAGLE-3's greedy output equals plain bf16 greedy decoding over 128 tokens of real prompts."""
+    from transformers import AutoTokenizer
+
+    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.modeling.packed_linear import prepack_linears
+    from eagle3_hf.targets import SMOLLM2, load_target
+    from test_generation import mt_bench_questions
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    target = load_target(SMOLLM2, dtype=torch.bfloat16)
+    prepack_linears(target)
+    draft = load_draft_for(SMOLLM2, target)
+    drafted = 0
+    for question in mt_bench_questions()[2::40]:  # two questions of other categories
+        messages = [{"role": "user", "content": question["turns"][0]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+        kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=128)
+        expected = target.generate(ids, **kwargs)
+        out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, adaptive_tree=False,
+                              tree_depth=5, tree_top_k=4, tree_total_tokens=24, **kwargs)  # fmt: skip
+        assert out.sequences.tolist() == expected.tolist(), f"question {question['question_id']}"
+        drafted += sum(length - 1 for length in out.accept_lengths)
+    assert drafted > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the row-invariance probe
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_probe_finds_the_exact_path_bitwise_and_names_the_attention_call_otherwise(family):
+    from eagle3_hf.generation.probe import probe_row_exactness
+
+    target = bf16_target(family)
+    exact = probe_row_exactness(target, prefix=21)  # past Gemma3's 5-token sliding window
+    assert exact.identical and exact.first_difference is None and exact.max_logit_difference == 0.0
+    assert "bit for bit" in exact.describe()
+    broken = probe_row_exactness(target, prefix=21, exact_verify=False)
+    assert not broken.identical and broken.max_logit_difference > 0
+    assert broken.first_difference == "model.layers.0.self_attn (attention)"
+    assert "first at model.layers.0.self_attn (attention)" in broken.describe()
+
+
+class RowDependentMLP(torch.nn.Module):
+    """An MLP whose rows round as if a kernel changed with the number of rows: exactness broken on purpose."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        out = self.mlp(x)
+        return out + 1e-2 * (x.shape[1] > 1)
+
+
+def test_probe_names_the_op_that_breaks_exactness():
+    from eagle3_hf.generation.probe import probe_row_exactness
+
+    target = bf16_target("llama")
+    target.model.layers[2].mlp = RowDependentMLP(target.model.layers[2].mlp)
+    result = probe_row_exactness(target, prefix=9)
+    assert not result.identical
+    assert result.first_difference == "model.layers.2.mlp"
+
+
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, 0, 3]])
+def test_probe_refuses_a_malformed_tree(parents):
+    from eagle3_hf.generation.probe import probe_row_exactness
+
+    with pytest.raises(ValueError, match="parents"):
+        probe_row_exactness(bf16_target("llama"), parents=parents)

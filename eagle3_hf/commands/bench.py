@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from eagle3_hf.precision import add_precision_arguments
+from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments
 
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
 METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
@@ -29,6 +29,7 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--tree-depth", type=int, default=None)
     parser.add_argument("--tree-top-k", type=int, default=None)
     parser.add_argument("--tree-total-tokens", type=int, default=None)
+    add_exact_verify_argument(parser)
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--markdown", default=None, help="write the README numbers table (markdown) here")
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here (needs [plot])")
@@ -81,6 +82,7 @@ def run_cli(args: Any) -> int:
         load_models,
         plot_acceptance,
         read_prompts,
+        row_exact_report,
         run_benchmark,
     )
     from eagle3_hf.hub import default_prompts_path
@@ -104,9 +106,13 @@ def run_cli(args: Any) -> int:
         }.items()
         if v is not None
     }
+    if args.no_exact_verify:
+        tree_kwargs["exact_verify"] = False
     report = run_benchmark(
         targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats
     )
+    if any(c.method.startswith("eagle3") for c in configs):
+        report["row_exact"] = row_exact_report(targets[spec_dtype], exact_verify=not args.no_exact_verify)
     source = "MT-bench turn 1" if args.prompts is None else os.path.basename(prompts_path)
     report["config"] = {
         "target": args.target, "draft": args.draft or "(shipped)", "dtype": str(spec_dtype).removeprefix("torch."),

@@ -42,18 +42,21 @@ SUPPORTED = ("sdpa", "eager")
 PREFIX = "eagle3_exact_"
 
 
-@dataclass
-class _TreeGroup:
-    """The nodes of one depth: their indices `[n]` and ancestor paths `[n, depth + 1]` (root first, node last)."""
+@dataclass(frozen=True)
+class _Call:
+    """One attention call of a tree forward: the depth-sorted nodes `start:stop`, keys `begin:end`, and per node
+    (when they differ) how many of those keys it sees -- the rest are masked trailing keys."""
 
-    depth: int
-    nodes: torch.Tensor
-    paths: torch.Tensor
+    start: int
+    stop: int
+    begin: int
+    end: int
+    lengths: tuple[int, ...] | None = None
 
 
 @dataclass
 class _LayerKeys:
-    """One layer's prefix copies: keys/values `[width, kv_heads, capacity, head_dim]`, the first `synced` filled."""
+    """One layer's prefix copies: keys/values `[rows, kv_heads, capacity, head_dim]`, the first `synced` filled."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -65,49 +68,57 @@ class ExactAttention:
     """Per-call state of row-exact verification (one decoding call, batch size 1).
 
     `set_tree(parents, past)` before a tree forward, `clear_tree()` after; the forward passes this object as the
-    `eagle3_exact` keyword, which transformers hands on to every attention call.
+    `eagle3_exact` keyword, which transformers hands on to every attention call. `max_rows` bounds the prefix copies
+    kept per layer (and so the memory: `max_rows` copies of the target's KV cache); a call over more nodes is split.
     """
 
     implementation: str  # the target's own attention implementation ("sdpa" or "eager")
-    groups: list[_TreeGroup] | None = None
+    max_rows: int = 16
     past: int = 0
+    order: torch.Tensor | None = None  # [T] node indices sorted by depth; None: no tree planned
+    depths: list[int] = field(default_factory=list)  # of the sorted nodes
+    paths: torch.Tensor | None = None  # [T, max_depth + 1] each sorted node's path, padded by repeating the node
     layers: dict[int, _LayerKeys] = field(default_factory=dict)
+    _calls: dict[Any, list[_Call]] = field(default_factory=dict)
 
     def set_tree(self, parents: torch.Tensor, past: int) -> None:
         """Plan the next forward: the tree of `parents` `[T]` (`parents[i] < i`, root -1) behind `past` tokens."""
-        parent_list = parents.tolist()
         paths: list[list[int]] = []
-        for i, p in enumerate(parent_list):
+        for i, p in enumerate(parents.tolist()):
             paths.append([i] if p < 0 else paths[p] + [i])
-        by_depth: dict[int, list[int]] = {}
-        for i, path in enumerate(paths):
-            by_depth.setdefault(len(path) - 1, []).append(i)
+        order = sorted(range(len(paths)), key=lambda i: len(paths[i]))
+        width = max(len(p) for p in paths)
         device = parents.device
-        self.groups = [
-            _TreeGroup(
-                depth=d,
-                nodes=torch.tensor(nodes, device=device),
-                paths=torch.tensor([paths[i] for i in nodes], device=device),
-            )
-            for d, nodes in sorted(by_depth.items())
-        ]
+        self.order = torch.tensor(order, device=device)
+        self.depths = [len(paths[i]) - 1 for i in order]
+        self.paths = torch.tensor([paths[i] + [i] * (width - len(paths[i])) for i in order], device=device)
         self.past = past
+        self._calls = {}
 
     def clear_tree(self) -> None:
-        self.groups = None
+        self.order = self.paths = None
 
-    @property
-    def width(self) -> int:
-        """Prefix copies a layer needs for the planned tree: its widest depth."""
-        return max((g.nodes.numel() for g in self.groups or ()), default=1)
+    def calls(self, window: int | None, merge: bool) -> list[_Call]:
+        """The attention calls for a layer with sliding `window` (None: full attention).
+
+        A node at depth d sees keys `[0, past + d + 1)` (the last `window` of them in a sliding layer). Nodes of one
+        depth share one call. With `merge`, nodes of several depths share one, their shorter rows padded with masked
+        trailing keys, where that provably leaves every row's result as its own step computes it: torch's CPU kernel
+        sums a row's softmax in 16-lane chunks plus a scalar tail, so trailing masked keys (exp = 0) change nothing
+        while the padded length stays in the row's own 16-key bin -- and no window moves the row's first key.
+        """
+        key = (window, merge)
+        if key not in self._calls:
+            self._calls[key] = _plan_calls(self.depths, self.past, window, merge, self.max_rows)
+        return self._calls[key]
 
     def layer_keys(self, layer: int, key: torch.Tensor, value: torch.Tensor, needed: int) -> _LayerKeys:
-        """Layer `layer`'s prefix copies, grown to `width` rows and `needed` positions and synced with `key` /
-        `value` (`[1, kv_heads, past + T, head_dim]`, the cache with the tree appended) up to `past`."""
-        width, past = self.width, self.past
+        """Layer `layer`'s prefix copies, grown to hold `needed` positions and synced with `key` / `value`
+        (`[1, kv_heads, past + T, head_dim]`, the cache with the tree appended) up to `past`."""
+        rows, past = min(self.max_rows, len(self.depths)), self.past
         state = self.layers.get(layer)
-        if state is None or state.keys.shape[0] < width or state.keys.shape[2] < needed:
-            rows = max(width, state.keys.shape[0] if state is not None else 0)
+        if state is None or state.keys.shape[0] < rows or state.keys.shape[2] < needed:
+            rows = max(rows, state.keys.shape[0] if state is not None else 0)
             capacity = max(needed + 256, int(1.5 * (state.keys.shape[2] if state is not None else 0)))
             shape = (rows, key.shape[1], capacity, key.shape[3])
             grown = _LayerKeys(key.new_empty(shape), value.new_empty(shape))
@@ -124,6 +135,31 @@ class ExactAttention:
             state.values[:, :, state.synced : past] = value[:, :, state.synced : past]
             state.synced = past
         return state
+
+
+def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, max_rows: int) -> list[_Call]:
+    """See `ExactAttention.calls`; `depths` sorted."""
+
+    def span(depth: int) -> tuple[int, int]:
+        end = past + depth + 1
+        return (end - window if window is not None and end >= window else 0), end
+
+    calls: list[_Call] = []
+    start = 0
+    while start < len(depths):
+        begin, end = span(depths[start])
+        stop = start + 1
+        while stop < len(depths) and stop - start < max_rows:
+            next_begin, next_end = span(depths[stop])
+            same = next_end == end
+            if not same and not (merge and next_begin == begin == 0 and next_end // 16 == end // 16):
+                break
+            end = next_end
+            stop += 1
+        lengths = tuple(span(d)[1] for d in depths[start:stop])
+        calls.append(_Call(start, stop, begin, end, None if len(set(lengths)) == 1 else lengths))
+        start = stop
+    return calls
 
 
 def supports_exact(model: PreTrainedModel) -> bool:
@@ -186,29 +222,53 @@ def exact_attention_forward(
     # The prefill, and one-token steps that see what a plain step sees (all full-attention keys, or a window not
     # yet filled), are plain steps already. A sliding-window step past its window is not: the target's plain cache
     # holds only the window, this call's cache everything, so it goes through the per-node path below.
-    if state.groups is None or (query.shape[2] == 1 and (window is None or past + 1 < window)):
+    if state.order is None or (query.shape[2] == 1 and (window is None or past + 1 < window)):
         return inner(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"row-exact verification runs one sequence; got a batch of {query.shape[0]}")
-    deepest = state.groups[-1].depth
-    layer = state.layer_keys(module.layer_idx, key, value, past + deepest + 1)
+    layer = state.layer_keys(module.layer_idx, key, value, past + state.depths[-1] + 1)
     tree_keys = key[0, :, past:].transpose(0, 1)  # [T, kv_heads, head_dim]
     tree_values = value[0, :, past:].transpose(0, 1)
-    queries = query[0].transpose(0, 1).unsqueeze(2)  # [T, heads, 1, head_dim]
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, heads, head_dim]
-    for group in state.groups:
-        n, end = group.nodes.numel(), past + group.depth + 1
+    queries = query[0].transpose(0, 1)[state.order].unsqueeze(2)  # [T, heads, 1, head_dim], depth-sorted
+    direct = state.implementation == "sdpa" and not kwargs.get("softcap") and not kwargs.get("output_attentions")
+    rows = []
+    for call in state.calls(window, merge=direct):
+        n, width = call.stop - call.start, call.end - past
         # each node's row: the prefix, then its path (root .. node) at the positions its own step has them
-        layer.keys[:n, :, past:end] = tree_keys[group.paths].transpose(1, 2)
-        layer.values[:n, :, past:end] = tree_values[group.paths].transpose(1, 2)
-        begin, mask = 0, None
-        if window is not None and end >= window:
-            # a sliding-window step sees its last `window` keys, and transformers then passes an all-visible mask
-            begin = end - window
-            if state.implementation == "sdpa":
-                mask = torch.ones(1, 1, 1, window, dtype=torch.bool, device=query.device)
-        rows, _ = inner(
-            module, queries[group.nodes], layer.keys[:n, :, begin:end], layer.values[:n, :, begin:end], mask, **kwargs
-        )  # [n, 1, heads, head_dim]
-        out[0, group.nodes] = rows[:, 0]
-    return out, None
+        paths = state.paths[call.start : call.stop, :width]  # [n, width]
+        layer.keys[:n, :, past : call.end] = tree_keys[paths].transpose(1, 2)
+        layer.values[:n, :, past : call.end] = tree_values[paths].transpose(1, 2)
+        q, k, v = queries[call.start : call.stop], layer.keys[:n, :, call.begin : call.end], layer.values[:n, :, call.begin : call.end]
+        if direct and (call.begin == 0):
+            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs))
+            continue
+        mask = None
+        if call.begin > 0 and state.implementation == "sdpa":
+            # a sliding-window step past its window: transformers passes an all-visible mask, and sdpa then packs
+            # the query heads per key head (pack_gqa); calling it as it is reproduces that path
+            mask = torch.ones(1, 1, 1, call.end - call.begin, dtype=torch.bool, device=query.device)
+        out, _ = inner(module, q, k, v, mask, **kwargs)  # [n, 1, heads, head_dim]
+        rows.append(out)
+    out = torch.cat(rows)[:, 0]  # [T, heads, head_dim], depth-sorted
+    result = torch.empty_like(out)
+    result[state.order] = out
+    return result.unsqueeze(0), None
+
+
+def _decode_step_sdpa(
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict
+) -> torch.Tensor:
+    """`torch.nn.functional.scaled_dot_product_attention` called as transformers' sdpa calls it for a one-token step
+    over full attention (no mask, key heads shared through `enable_gqa`), for `n` nodes at once; rows shorter than the
+    call see their trailing keys masked (see `ExactAttention.calls`). Returns `[n, 1, heads, head_dim]`."""
+    mask = None
+    if call.lengths is not None:
+        positions = torch.arange(call.begin, call.end, device=q.device)
+        mask = positions[None, :] < torch.tensor(call.lengths, device=q.device)[:, None]  # [n, keys]
+        mask = mask[:, None, None, :]
+    extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), is_causal=False,
+        **extra,
+    )  # [n, heads, 1, head_dim]
+    return out.transpose(1, 2)
