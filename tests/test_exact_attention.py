@@ -10,6 +10,7 @@ from transformers.cache_utils import DynamicCache
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.generation.exact_attention import exact_verification
+from eagle3_hf.modeling._compat import cache_kwargs
 from test_generation import FAMILIES, SHAPE
 
 V = 256  # a larger vocabulary than test_generation's: bf16 near-ties between candidates become common
@@ -39,7 +40,7 @@ def plain_rows(target, cache, tokens, parents):
             path.append(parents[path[-1]])
         step_cache = copy.deepcopy(cache)
         for n in reversed(path):
-            logits = target(tokens[None, n : n + 1], cache=step_cache, use_cache=True).logits
+            logits = target(tokens[None, n : n + 1], use_cache=True, **cache_kwargs(step_cache)).logits
         rows.append(logits[0, -1])
     return torch.stack(rows)
 
@@ -60,11 +61,11 @@ def tree_rows(target, prompt, tokens, parents, exact):
     with exact_verification(target, enabled=exact) as state:
         cache = DynamicCache()
         extra = {} if state is None else {"eagle3_exact": state}
-        target(prompt, cache=cache, use_cache=True, **extra)
+        target(prompt, use_cache=True, **cache_kwargs(cache), **extra)
         if state is not None:
             state.set_tree(torch.tensor(parents), past)
         out = target(
-            tokens[None], cache=cache, use_cache=True, position_ids=(past + torch.tensor(depths))[None],
+            tokens[None], use_cache=True, **cache_kwargs(cache), position_ids=(past + torch.tensor(depths))[None],
             attention_mask=_target_mask(target.config, mask, past, target.dtype), **extra,
         )  # fmt: skip
     return out.logits[0]
@@ -80,7 +81,7 @@ def test_tree_rows_equal_one_token_steps(family, implementation):
             prompt = torch.randint(0, V, (1, past), generator=generator)
             tokens = torch.randint(0, V, (len(TREE),), generator=generator)
             cache = DynamicCache(config=target.config)  # what plain generate() decodes with
-            target(prompt, cache=cache, use_cache=True)
+            target(prompt, use_cache=True, **cache_kwargs(cache))
             reference = plain_rows(target, cache, tokens, TREE)
             rows = tree_rows(target, prompt, tokens, TREE, exact=True)
             assert torch.equal(rows, reference), f"{family}/{implementation}, {past} tokens of prefix"

@@ -7,15 +7,16 @@ chunks and a scalar tail, blocks of 512 keys), and a node's keys sit elsewhere i
 own step. In bf16 the difference (~1e-3 per layer) grows to near-ties that change greedy output.
 
 How. The target's attention implementation is swapped, for one decoding call, for `exact_attention_forward`
-(registered in transformers' `AttentionInterface`; nothing is patched). For a tree forward it calls the target's
-original implementation once per tree depth, with that depth's nodes along the batch dimension, each node a single
-query over exactly the keys its own decoding step would see -- the prefix followed by its ancestors and itself, as
-many keys as that step has, with the mask that step would get -- so each node's call has the shape of a decoding
-step. Every other forward (prefill, root-only steps) goes to the original implementation unchanged.
+(registered in transformers' `AttentionInterface`; nothing is patched). For a tree forward it calls the attention
+kernel once per tree depth (or per group of depths, see `ExactAttention.calls`), with the nodes along the batch
+dimension, each node a single query over exactly the keys its own decoding step would see -- the prefix followed by
+its ancestors and itself, at the positions that step has them, with the mask that step would get -- so each node's
+call has the shape of a decoding step. Every other forward (prefill, root-only steps) goes to the original
+implementation unchanged.
 
-The keys are laid out without copying the prefix per node: per target layer the state keeps `width` copies of the
-prefix (appended to as tokens are accepted), and a tree forward only writes each node's ancestor path behind the
-prefix in its row. Memory: `width` extra copies of the target's KV cache.
+The keys are laid out without copying the prefix per node: per target layer the state keeps up to `max_rows` copies
+of the prefix (appended to as tokens are accepted), and a tree forward only writes each node's ancestor path behind
+the prefix in its row. Memory: up to `max_rows` extra copies of the target's KV cache.
 
 Exactness holds for torch's CPU `sdpa` and eager attention (`probe.py` checks it for a given target, dtype and
 thread count); other implementations are left as they are, and decoding works with near-tie differences.
@@ -33,7 +34,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-__all__ = ["ExactAttention", "exact_attention_forward", "exact_verification", "supports_exact"]
+__all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
 
 # Original implementations whose one-query calls this module can reproduce.
 SUPPORTED = ("sdpa", "eager")
@@ -160,11 +161,6 @@ def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, m
         calls.append(_Call(start, stop, begin, end, None if len(set(lengths)) == 1 else lengths))
         start = stop
     return calls
-
-
-def supports_exact(model: PreTrainedModel) -> bool:
-    """Whether `model`'s attention implementation is one whose decoding steps `exact_attention_forward` reproduces."""
-    return getattr(model.config, "_attn_implementation", None) in SUPPORTED
 
 
 @contextmanager

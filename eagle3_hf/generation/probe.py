@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicCache
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.steps import _target_mask  # the tree mask decoding builds
 from eagle3_hf.generation.tree import tree_attention_mask
+from eagle3_hf.modeling._compat import cache_kwargs
 
 __all__ = ["DEFAULT_PROBE_TREE", "ProbeResult", "probe_row_exactness"]
 
@@ -142,7 +143,7 @@ def probe_row_exactness(
         with torch.no_grad():
             # the reference: plain decoding's cache and one-token steps along each node's path
             cache = DynamicCache(config=target.config)
-            target(prompt, cache=cache, use_cache=True)
+            target(prompt, use_cache=True, **cache_kwargs(cache))
             steps: list[dict[str, torch.Tensor]] = []
             step_inputs: list[dict[str, torch.Tensor]] = []
             step_logits = []
@@ -150,7 +151,7 @@ def probe_row_exactness(
                 step_cache = copy.deepcopy(cache)
                 for node in path:
                     recorder.clear()
-                    step = target(tokens[None, node : node + 1], cache=step_cache, use_cache=True)
+                    step = target(tokens[None, node : node + 1], use_cache=True, **cache_kwargs(step_cache))
                 steps.append(dict(recorder.outputs))
                 step_inputs.append(dict(recorder.inputs))
                 step_logits.append(step.logits[0, -1].float())
@@ -158,15 +159,15 @@ def probe_row_exactness(
             with exact_verification(target, enabled=exact_verify) as state:
                 tree_cache = DynamicCache()
                 extra = {} if state is None else {"eagle3_exact": state}
-                target(prompt, cache=tree_cache, use_cache=True, **extra)
+                target(prompt, use_cache=True, **cache_kwargs(tree_cache), **extra)
                 if state is not None:
                     state.set_tree(torch.tensor(parents, device=device), prefix)
                 mask = _target_mask(
                     target.config, tree_attention_mask(torch.tensor(parents, device=device)), prefix, target.dtype
                 )
                 recorder.clear()
-                out = target(tokens[None], cache=tree_cache, use_cache=True, position_ids=(prefix + depths)[None],
-                             attention_mask=mask, **extra)  # fmt: skip
+                out = target(tokens[None], use_cache=True, position_ids=(prefix + depths)[None], attention_mask=mask,
+                             **cache_kwargs(tree_cache), **extra)  # fmt: skip
             tree_outputs, tree_inputs, order = dict(recorder.outputs), dict(recorder.inputs), list(recorder.order)
     finally:
         recorder.close()

@@ -20,6 +20,7 @@ from eagle3_hf.generation.drafting import crop_cache
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.steps import _target_mask
 from eagle3_hf.generation.tree import tree_attention_mask
+from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.precision import DTYPE_CHOICES, resolve_dtype
 from eagle3_hf.targets import load_target
@@ -62,15 +63,15 @@ def main() -> None:
             times: dict[bool, list[float]] = {False: [], True: []}
             with exact_verification(model) as state, torch.no_grad():
                 cache = DynamicCache()
-                model(prompt, cache=cache, use_cache=True, eagle3_exact=state)
+                model(prompt, use_cache=True, **cache_kwargs(cache), eagle3_exact=state)
                 for repeat in range(args.repeats + 2):  # two warm-up rounds
                     for exact in (False, True):
                         if exact:
                             state.set_tree(parents, context)
                         start = time.perf_counter()
                         mask = _target_mask(model.config, tree_attention_mask(parents), context, model.dtype)
-                        model(tokens, attention_mask=mask, position_ids=(context + depths)[None], cache=cache,
-                              use_cache=True, eagle3_exact=state)  # fmt: skip
+                        model(tokens, attention_mask=mask, position_ids=(context + depths)[None], use_cache=True,
+                              eagle3_exact=state, **cache_kwargs(cache))  # fmt: skip
                         seconds = time.perf_counter() - start
                         state.clear_tree()
                         crop_cache(cache, context)
