@@ -411,10 +411,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""
         binder = _BINDERS.get("bind")
         if binder is None:
-            raise RuntimeError(
-                "No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation (`from eagle3_hf import "
-                "Eagle3DraftModel` does)."
-            )
+            raise RuntimeError("No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation "
+                               "(`from eagle3_hf import Eagle3DraftModel` does).")  # fmt: skip
         binder(self, target)
         return self
 
