@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _PUBLIC = {
+    "ContextLookup": "eagle3_hf.generation.decoding",
     "SUPPORTED_LAYER_TYPES": "eagle3_hf.modeling.configuration_eagle3",
     "Eagle3DraftConfig": "eagle3_hf.modeling.configuration_eagle3",
     "default_target_layer_ids": "eagle3_hf.modeling.configuration_eagle3",
@@ -30,14 +31,15 @@ def _load() -> None:
     """Import the model, register it with the Auto classes, and register generation's `bind`."""
     from transformers import AutoConfig, AutoModel
 
-    from eagle3_hf import generation as _generation  # noqa: F401  (registers `bind_target`)
+    from eagle3_hf import generation as _generation  # registers `bind_target`
     from eagle3_hf.modeling import configuration_eagle3, modeling_eagle3
 
     AutoConfig.register(configuration_eagle3.Eagle3DraftConfig.model_type, configuration_eagle3.Eagle3DraftConfig,
                         exist_ok=True)  # fmt: skip
     AutoModel.register(configuration_eagle3.Eagle3DraftConfig, modeling_eagle3.Eagle3DraftModel, exist_ok=True)
     modules = {"eagle3_hf.modeling.configuration_eagle3": configuration_eagle3,
-               "eagle3_hf.modeling.modeling_eagle3": modeling_eagle3}  # fmt: skip
+               "eagle3_hf.modeling.modeling_eagle3": modeling_eagle3,
+               "eagle3_hf.generation.decoding": _generation.decoding}  # fmt: skip
     globals().update({name: getattr(modules[module], name) for name, module in _PUBLIC.items()})
 
 

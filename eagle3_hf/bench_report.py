@@ -154,6 +154,16 @@ def format_table(report: dict[str, Any]) -> str:
         )
     if "tau_chain" in report:
         lines.append(f"tau (chain, incl. bonus): {report['tau_chain']:.2f}")
+    for name, counts in report.get("accepted_by_source", {}).items():
+        if counts["lookup"] or counts["both"]:  # a tree with a context lookup: where its tokens came from
+            lines.append(
+                f"{name}: accepted tokens from the draft {counts['draft']}, the lookup {counts['lookup']}, both "
+                f"{counts['both']}; tau {report['tau_by_method'][name]:.2f} over drafted cycles"
+            )
+    if "best_prompt_lookup" in report:
+        versus = report.get("lookup_tree_vs_best_prompt_lookup")
+        lines.append(f"fastest prompt lookup: {report['best_prompt_lookup']}"
+                     + ("" if versus is None else f"; lookup tree {versus:.2f}x it"))  # fmt: skip
     if "identical" in report:
         lines.append(f"greedy tree outputs identical to plain at the same precision: {report['identical']:.0%}")
     if "row_exact" in report:

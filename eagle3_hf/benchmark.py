@@ -7,7 +7,11 @@ Configurations, each named `<method>_<precision>`:
   the faster one;
 * EAGLE-3 chain (fixed depth) and tree (cost-model sized) at the speculative precision: `--dtype auto` picks bf16
   where the hardware has native bf16 matmul and fp32 elsewhere (`eagle3_hf.precision`);
-* optionally prompt lookup, at the speculative precision.
+* optionally: transformers' prompt lookup at the speculative precision (`prompt_lookup`: 10 tokens per lookup;
+  `prompt_lookup_sweep`: 3, 5 and 10, the report naming the fastest); the hybrid tree (`hybrid_tree`: the draft's
+  tree with the context lookup's continuations grafted in, `context_lookup=True`); and the model-free lookup tree
+  (`lookup_tree`: `ContextLookup`, no draft). Tree methods report how many accepted tokens came from the draft, the
+  lookup, or both.
 
 They run in one process after a warm-up, interleaved per prompt (these machines are noisy: interleaving spreads a
 slowdown over every configuration), `--repeats` times; tokens/s are medians over the repeats. Where a greedy EAGLE-3
@@ -38,21 +42,26 @@ from eagle3_hf.bench_report import (  # noqa: F401  (re-exported: the benchmark'
 )
 from eagle3_hf.precision import short_name
 
-METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
+METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree")
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 PLAIN_DTYPES = (torch.float32, torch.bfloat16)
+PROMPT_LOOKUP_SWEEP = (3, 5, 10)  # prompt_lookup_num_tokens tried by `prompt_lookup_sweep`
+DRAFT_METHODS = ("eagle3_chain", "eagle3_tree", "hybrid_tree")  # the methods that need a draft
+TREE_METHODS = (*DRAFT_METHODS, "lookup_tree")  # the methods decoded by our tree loop (they report cycles)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One benchmarked configuration: a decoding method at a precision."""
+    """One benchmarked configuration: a decoding method at a precision (and, for prompt lookup, its tokens)."""
 
     method: str
     dtype: torch.dtype
+    lookup_tokens: int | None = None  # prompt_lookup_num_tokens of a swept prompt-lookup configuration
 
     @property
     def name(self) -> str:
-        return f"{self.method}_{short_name(self.dtype)}"
+        tokens = "" if self.lookup_tokens is None else str(self.lookup_tokens)
+        return f"{self.method}{tokens}_{short_name(self.dtype)}"
 
 
 def bench_configs(
@@ -65,7 +74,11 @@ def bench_configs(
     configs: list[BenchConfig] = []
     if "plain" in methods:
         configs += [BenchConfig("plain", d) for d in dict.fromkeys((*plain_dtypes, spec_dtype))]
-    configs += [BenchConfig(m, spec_dtype) for m in METHODS if m != "plain" and m in methods]
+    for m in METHODS:
+        if m == "prompt_lookup_sweep" and m in methods:
+            configs += [BenchConfig("prompt_lookup", spec_dtype, n) for n in PROMPT_LOOKUP_SWEEP]
+        elif m != "plain" and m in methods:
+            configs.append(BenchConfig(m, spec_dtype))
     return configs
 
 
@@ -113,6 +126,7 @@ class ConfigResult:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    sources: list[int] = field(default_factory=lambda: [0, 0, 0])  # accepted tokens from (draft, lookup, both)
 
     @property
     def rates(self) -> list[float]:
@@ -133,16 +147,21 @@ def run_benchmark(
     tree_kwargs: dict[str, Any] | None = None,
     repeats: int = 1,
     warmup_tokens: int = 16,
+    lookup_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Measure every configuration on every prompt (interleaved), `repeats` times; return the report dict.
 
     `targets` maps each precision to the target loaded in it, `drafts` each speculative precision to the draft bound
-    to that target. The fp32 target, when given, also scores where greedy outputs diverge.
+    to that target. The fp32 target, when given, also scores where greedy outputs diverge. `lookup_kwargs` go to the
+    lookup tree (`tree_depth`, `tree_total_tokens`, `lookup_branches` of `ContextLookup`) and, as `lookup_depth` /
+    `lookup_branches`, to the hybrid tree.
     """
+    from eagle3_hf.generation.decoding import ContextLookup
+
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     missing = sorted({str(c.dtype) for c in configs if c.dtype not in targets} | {
-        str(c.dtype) for c in configs if c.method.startswith("eagle3") and c.dtype not in drafts})  # fmt: skip
+        str(c.dtype) for c in configs if c.method in DRAFT_METHODS and c.dtype not in drafts})  # fmt: skip
     if missing:
         raise ValueError(f"No target or draft given for precision(s) {missing} that the configurations need.")
     tree_kwargs = dict(tree_kwargs or {})
@@ -150,9 +169,18 @@ def run_benchmark(
     common: dict[str, Any] = {"do_sample": sample}
     if sample:
         common.update(temperature=temperature, top_k=0)
-    eagle = next((c for c in configs if c.method.startswith("eagle3")), None)
+    eagle = next((c for c in configs if c.method in DRAFT_METHODS), None)
     depth = tree_kwargs.get("tree_depth", drafts[eagle.dtype].config.tree_depth) if eagle else 0
     chain_kwargs = {k: v for k, v in tree_kwargs.items() if k not in ("tree_top_k", "tree_total_tokens")}
+    lookup_kwargs = dict(lookup_kwargs or {})
+    hybrid_kwargs = dict(tree_kwargs, context_lookup=True, **{
+        k: v for k, v in (("lookup_depth", lookup_kwargs.get("tree_depth")),
+                          ("lookup_branches", lookup_kwargs.get("lookup_branches"))) if v is not None})  # fmt: skip
+    # the lookup tree is sized by its own options; it shares the verification options with the draft trees
+    lookup_tree_kwargs = {k: v for k, v in tree_kwargs.items() if k in ("adaptive_tree", "exact_verify")}
+    lookup_tree_kwargs.update(lookup_kwargs)
+    wants_lookup = any(c.method == "lookup_tree" for c in configs)
+    lookups = {d: ContextLookup().bind(t) for d, t in targets.items()} if wants_lookup else {}
 
     def call(config: BenchConfig, ids: torch.Tensor, max_new: int) -> Any:
         target, draft = targets[config.dtype], drafts.get(config.dtype)
@@ -160,7 +188,12 @@ def run_benchmark(
         if config.method == "plain":
             return target.generate(ids, **kwargs)
         if config.method == "prompt_lookup":
-            return target.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
+            return target.generate(ids, prompt_lookup_num_tokens=config.lookup_tokens or 10, **kwargs)
+        if config.method == "hybrid_tree":
+            return target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **hybrid_kwargs, **kwargs)
+        if config.method == "lookup_tree":
+            return target.generate(ids, assistant_model=lookups[config.dtype], return_dict_in_generate=True,
+                                   **lookup_tree_kwargs, **kwargs)  # fmt: skip
         if config.method == "eagle3_chain":  # a fixed-depth chain: every cycle drafts `depth` tokens (the paper's n-alpha)
             return target.generate(
                 ids, assistant_model=draft, return_dict_in_generate=True, tree_top_k=1,
@@ -197,6 +230,8 @@ def run_benchmark(
                         r.prefill_s += out.prefill_time
                         r.draft_s += out.draft_time
                         r.verify_s += out.verify_time
+                        r.sources = [r.sources[0] + out.accepted_from_draft, r.sources[1] + out.accepted_from_lookup,
+                                     r.sources[2] + out.accepted_from_both]  # fmt: skip
         report = _report(results, configs, prompts, depth)
         if not sample:
             _add_divergences(report, results, configs, prompts, targets)
@@ -225,6 +260,20 @@ def _report(results: dict[str, ConfigResult], configs: list[BenchConfig], prompt
         report["acceptance_by_depth_cycles"] = [
             sum(1 for a in chain.accept_lengths if a - 1 >= d - 1) for d in range(1, depth + 1)
         ]
+    trees = [c.name for c in configs if c.method in TREE_METHODS]
+    if trees:
+        report["tau_by_method"] = {
+            n: sum(results[n].accept_lengths) / len(results[n].accept_lengths) if results[n].accept_lengths else 0.0
+            for n in trees
+        }
+        report["accepted_by_source"] = {n: dict(zip(("draft", "lookup", "both"), results[n].sources)) for n in trees}
+    lookups = [c.name for c in configs if c.method == "prompt_lookup"]
+    if lookups:
+        best_lookup = max(lookups, key=lambda n: results[n].tokens_per_s)
+        report["best_prompt_lookup"] = best_lookup
+        if "lookup_tree" in by_method and results[best_lookup].tokens_per_s:
+            ours = results[by_method["lookup_tree"].name].tokens_per_s
+            report["lookup_tree_vs_best_prompt_lookup"] = ours / results[best_lookup].tokens_per_s
     if plain:
         fastest = max(plain, key=lambda n: results[n].tokens_per_s)
         best = results[fastest].tokens_per_s
@@ -251,7 +300,7 @@ def _add_divergences(report: dict, results: dict, configs: list[BenchConfig], pr
     scorer = targets.get(torch.float32)
     for c in configs:
         reference = results.get(f"plain_{short_name(c.dtype)}")
-        if not c.method.startswith("eagle3") or reference is None:
+        if c.method not in TREE_METHODS or reference is None:
             continue
         runs = [(r, p) for r in range(len(reference.outputs)) for p in range(len(prompts))]
         mine = results[c.name].outputs
@@ -285,18 +334,19 @@ def row_exact_report(target: Any, exact_verify: bool = True) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype]) -> tuple[dict, dict, bool]:
-    """The target in every precision needed (loaded once, copied and cast), the draft bound to the speculative one,
-    and whether bf16 CPU weights were prepacked."""
+def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype], need_draft: bool = True,
+                ) -> tuple[dict, dict, bool]:  # fmt: skip
+    """The target in every precision needed (loaded once, copied and cast), the draft bound to the speculative one
+    (none unless `need_draft`), and whether bf16 CPU weights were prepacked."""
     from eagle3_hf.hub import load_draft_for
     from eagle3_hf.modeling.packed_linear import prepack_linears
     from eagle3_hf.targets import cast_weights, load_target
 
     base = load_target(args.target, dtype=torch.float32, device=args.device)
     targets = {d: base if d == torch.float32 else cast_weights(copy.deepcopy(base), d) for d in dtypes | {torch.float32}}
-    draft = load_draft_for(args.target, targets[spec_dtype], args.draft)
+    draft = load_draft_for(args.target, targets[spec_dtype], args.draft) if need_draft else None
     prepacked = False
     if not args.no_prepack:
-        for model in (*[t for d, t in targets.items() if d == torch.bfloat16], draft):
+        for model in (*[t for d, t in targets.items() if d == torch.bfloat16], *([draft] if draft else [])):
             prepacked |= prepack_linears(model) > 0
-    return targets, {spec_dtype: draft}, prepacked
+    return targets, ({spec_dtype: draft} if draft is not None else {}), prepacked

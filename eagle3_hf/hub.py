@@ -11,6 +11,7 @@ from eagle3_hf.targets import SMOLLM2
 # Drafts shipped inside the package (from_pretrained-loadable folders), by target short name.
 SHIPPED_DRAFTS = {SMOLLM2: "smollm2-135m-instruct"}
 RANDOM_DRAFT = "random"
+LOOKUP_DRAFT = "lookup"  # no draft model: the model-free context-lookup tree
 
 
 def shipped_draft_path(target_name: str) -> str:
@@ -26,9 +27,12 @@ def shipped_draft_path(target_name: str) -> str:
 
 
 def load_draft_for(target_name: str, target: Any, draft: str | None = None) -> Any:
-    """The draft to use with `target`: a folder, the shipped one (`None`), or a fresh random one (`"random"`)."""
-    from eagle3_hf import Eagle3DraftModel
+    """The draft to use with `target`: a folder, the shipped one (`None`), a fresh random one (`"random"`), or no
+    model at all (`"lookup"`: a `ContextLookup`, the context lookup's tree alone, bound to `target`)."""
+    from eagle3_hf import ContextLookup, Eagle3DraftModel
 
+    if draft == LOOKUP_DRAFT:
+        return ContextLookup().bind(target)
     if draft == RANDOM_DRAFT:
         return Eagle3DraftModel.from_target(target).eval()
     path = shipped_draft_path(target_name) if draft is None else draft

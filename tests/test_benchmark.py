@@ -118,6 +118,35 @@ def test_tiny_benchmark_reports_every_configuration():
         run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts, bench_configs(torch.bfloat16))
 
 
+def test_lookup_methods_report_their_sources_and_the_best_prompt_lookup():
+    target = _tiny_target()
+    draft = Eagle3DraftModel.from_target(target).eval()
+    phrase = torch.randint(3, 24, (5,), generator=torch.Generator().manual_seed(0))
+    prompts = [torch.cat([phrase] * 3)[None]]  # repeats, so that the lookups fire
+    configs = bench_configs(torch.float32, ("plain", "prompt_lookup_sweep", "hybrid_tree", "lookup_tree"),
+                            (torch.float32,))  # fmt: skip
+    names = ["plain_fp32", "prompt_lookup3_fp32", "prompt_lookup5_fp32", "prompt_lookup10_fp32", "hybrid_tree_fp32",
+             "lookup_tree_fp32"]  # fmt: skip
+    assert [c.name for c in configs] == names
+    report = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts, configs, max_new_tokens=12,
+                           tree_kwargs={"adaptive_tree": False})  # fmt: skip
+    assert report["identical_hybrid_tree"] == report["identical_lookup_tree"] == 1.0
+    assert report["best_prompt_lookup"] in names[1:4]
+    best = report["tokens_per_s"][report["best_prompt_lookup"]]
+    assert best == max(report["tokens_per_s"][n] for n in names[1:4])
+    ours = report["tokens_per_s"]["lookup_tree_fp32"]
+    assert report["lookup_tree_vs_best_prompt_lookup"] == pytest.approx(ours / best)
+    sources = report["accepted_by_source"]
+    assert set(sources) == {"hybrid_tree_fp32", "lookup_tree_fp32"}
+    assert sources["lookup_tree_fp32"]["draft"] == sources["lookup_tree_fp32"]["both"] == 0
+    assert set(report["tau_by_method"]) == set(sources)
+    assert "fastest prompt lookup" in format_table(report)
+    # the lookup tree needs no draft
+    alone = run_benchmark({torch.float32: target}, {}, prompts, bench_configs(torch.float32, ("lookup_tree",)),
+                          max_new_tokens=4)  # fmt: skip
+    assert alone["tokens"]["lookup_tree_fp32"] == 4
+
+
 def test_a_forced_divergence_is_reported_with_the_fp32_margin():
     target = _tiny_target(vocab=40)
     prompt = torch.randint(3, 40, (1, 5))

@@ -57,3 +57,18 @@ def test_without_a_prompt_it_runs_each_built_in_prompt(chat_target, capsys):
         assert re.match(r"\d+ tokens in [\d.]+ s \([\d.]+ tok/s\); tau [\d.]+ over the \d+ of \d+ cycles that "
                         r"drafted \(\d+%\)", summary)  # fmt: skip
         assert re.search(r"speedup: [\d.]+x, identical output", summary)
+
+
+def test_the_lookup_tree_and_the_hybrid_tree_from_the_command_line(chat_target, capsys):
+    folder, _ = chat_target
+    base = ["generate", "--target", str(folder), "--prompt", "hello there hello there", "--max-new-tokens", "12",
+            "--threads", "1", "--dtype", "float32"]  # fmt: skip
+    expected = _expected_answer(folder, "hello there hello there", 12)
+    for extra, method in ((["--draft", "lookup"], "lookup tree"), (["--draft", "random", "--context-lookup"],
+                                                                  "hybrid tree")):  # fmt: skip
+        assert cli_main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        streamed, _, summary = out.partition(f"\n{method} (fp32, 1 thread(s)): ")
+        assert summary, f"no {method} report line in {out!r}"
+        assert streamed.strip() == expected.strip()
+        assert re.search(r"speedup: [\d.]+x, identical output", summary)

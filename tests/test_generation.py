@@ -97,19 +97,23 @@ def eagle(target, draft, prompt, **kwargs):
                            **kwargs)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def family_case():
+def cached_cases(make_prompts_fn):
     """`family -> (target, draft, prompts, plain greedy outputs)`, built once per family."""
     cache = {}
 
     def get(family):
         if family not in cache:
             target, draft = make_pair(family)
-            prompts = make_prompts()
+            prompts = make_prompts_fn()
             cache[family] = (target, draft, prompts, [plain(target, p, max_new_tokens=NEW) for p in prompts])
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def family_case():
+    return cached_cases(make_prompts)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments
 
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
-METHODS = ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree")
+METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree")
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 
 
@@ -29,6 +29,12 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--tree-depth", type=int, default=None)
     parser.add_argument("--tree-top-k", type=int, default=None)
     parser.add_argument("--tree-total-tokens", type=int, default=None)
+    parser.add_argument("--lookup-depth", type=int, default=None,
+                        help="tokens per context-lookup continuation (hybrid_tree, lookup_tree)")  # fmt: skip
+    parser.add_argument("--lookup-branches", type=int, default=None,
+                        help="continuations per cycle (hybrid_tree, lookup_tree; default 4)")  # fmt: skip
+    parser.add_argument("--lookup-total-tokens", type=int, default=None,
+                        help="lookup_tree size, root included (default 16)")  # fmt: skip
     add_exact_verify_argument(parser)
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--markdown", default=None, help="write the README numbers table (markdown) here")
@@ -52,9 +58,13 @@ def _check_options(args: Any) -> tuple[str, ...]:
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}.")
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                        ("--threads", args.threads), ("--every", args.every), ("--repeats", args.repeats)):  # fmt: skip
+                        ("--threads", args.threads), ("--every", args.every), ("--repeats", args.repeats),
+                        ("--lookup-depth", args.lookup_depth),
+                        ("--lookup-branches", args.lookup_branches)):  # fmt: skip
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
+    if args.lookup_total_tokens is not None and args.lookup_total_tokens < 2:
+        raise ValueError(f"--lookup-total-tokens must be >= 2 (the root and one node), got {args.lookup_total_tokens}.")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -75,6 +85,8 @@ def run_cli(args: Any) -> int:
     import torch
 
     from eagle3_hf.benchmark import (
+        DRAFT_METHODS,
+        TREE_METHODS,
         bench_configs,
         environment,
         format_markdown,
@@ -96,7 +108,8 @@ def run_cli(args: Any) -> int:
     torch.set_num_threads(args.threads or default_threads())
     spec_dtype = resolve_dtype(args.dtype, args.device)
     configs = bench_configs(spec_dtype, methods)
-    targets, drafts, prepacked = load_models(args, spec_dtype, {c.dtype for c in configs})
+    need_draft = any(c.method in DRAFT_METHODS for c in configs)
+    targets, drafts, prepacked = load_models(args, spec_dtype, {c.dtype for c in configs}, need_draft)
     prompts_path = args.prompts or default_prompts_path()
     prompts = read_prompts(prompts_path, load_tokenizer(args.target), args.num_prompts, args.every)
     tree_kwargs = {
@@ -108,10 +121,19 @@ def run_cli(args: Any) -> int:
     }
     if args.no_exact_verify:
         tree_kwargs["exact_verify"] = False
+    lookup_kwargs = {
+        k: v
+        for k, v in {
+            "tree_depth": args.lookup_depth, "lookup_branches": args.lookup_branches,
+            "tree_total_tokens": args.lookup_total_tokens,
+        }.items()
+        if v is not None
+    }  # fmt: skip
     report = run_benchmark(
-        targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats
+        targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats,
+        lookup_kwargs=lookup_kwargs,
     )
-    if any(c.method.startswith("eagle3") for c in configs):
+    if any(c.method in TREE_METHODS for c in configs):
         report["row_exact"] = row_exact_report(targets[spec_dtype], exact_verify=not args.no_exact_verify)
     source = "MT-bench turn 1" if args.prompts is None else os.path.basename(prompts_path)
     report["config"] = {
@@ -120,6 +142,8 @@ def run_cli(args: Any) -> int:
         "prompts": f"{source}, every {args.every}th record" if args.every > 1 else f"{source}, all records",
         "every": args.every, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "temperature": args.temperature, **tree_kwargs,
+        **{k: v for k, v in (("lookup_depth", args.lookup_depth), ("lookup_branches", args.lookup_branches),
+                             ("lookup_total_tokens", args.lookup_total_tokens)) if v is not None},
     }  # fmt: skip
     report["environment"] = environment()
     print(format_table(report))

@@ -22,7 +22,11 @@ BUILT_IN_PROMPTS = (
 
 def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
-    parser.add_argument("--draft", default=None, help='draft folder; default: the shipped draft; "random": untrained')
+    parser.add_argument("--draft", default=None,
+                        help='draft folder; default: the shipped draft; "random": untrained; "lookup": no draft, the '
+                             "context lookup's tree alone (model-free)")  # fmt: skip
+    parser.add_argument("--context-lookup", action="store_true",
+                        help="graft the context lookup's continuations into the draft's tree (the hybrid tree)")
     parser.add_argument("--prompt", default=None, help="the prompt (default: the built-in ones, a list and code)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -60,7 +64,8 @@ def run_cli(args: Any) -> int:
     draft = load_draft_for(args.target, target, args.draft)
     if not args.no_prepack:
         prepack_linears(target)
-        prepack_linears(draft)
+        if isinstance(draft, torch.nn.Module):  # a ContextLookup has no weights
+            prepack_linears(draft)
     kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
     if args.temperature > 0:
         kwargs.update(do_sample=True, temperature=args.temperature, top_k=0)
@@ -90,6 +95,9 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     from eagle3_hf.precision import short_name
 
     eagle_kwargs = dict(kwargs, exact_verify=not args.no_exact_verify)
+    if args.context_lookup:
+        eagle_kwargs["context_lookup"] = True
+    method = "lookup tree" if args.draft == "lookup" else "hybrid tree" if args.context_lookup else "EAGLE-3"
     if warm_up:  # the first call of each method pays one-off costs (allocations, kernel selection)
         target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=8))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # prints as tokens are accepted
@@ -101,9 +109,12 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     drafted = [a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1]
     tau = sum(drafted) / len(drafted) if drafted else 0.0
     print(
-        f"\nEAGLE-3 ({setup}): {new.numel()} tokens in {eagle_s:.2f} s ({new.numel() / eagle_s:.1f} tok/s); "
+        f"\n{method} ({setup}): {new.numel()} tokens in {eagle_s:.2f} s ({new.numel() / eagle_s:.1f} tok/s); "
         f"tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted ({len(drafted) / max(cycles, 1):.0%})"
     )
+    if out.accepted_from_lookup or out.accepted_from_both:
+        print(f"accepted tokens from the draft {out.accepted_from_draft}, the context lookup "
+              f"{out.accepted_from_lookup}, both {out.accepted_from_both}")  # fmt: skip
     if args.no_compare:
         return
     if warm_up:

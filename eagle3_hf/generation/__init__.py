@@ -4,6 +4,6 @@ Imports only `eagle3_hf.modeling`. Importing this package registers `bind_target
 runs (`eagle3_hf` imports it on first use of a public name, so users never do it themselves).
 """
 
-from eagle3_hf.generation.decoding import Eagle3GenerateOutput, bind_target, eagle3_decoding
+from eagle3_hf.generation.decoding import ContextLookup, Eagle3GenerateOutput, bind_target, eagle3_decoding
 
-__all__ = ["Eagle3GenerateOutput", "bind_target", "eagle3_decoding"]
+__all__ = ["ContextLookup", "Eagle3GenerateOutput", "bind_target", "eagle3_decoding"]

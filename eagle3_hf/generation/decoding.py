@@ -15,6 +15,10 @@ The loop (batch size 1): prefill the target, collecting the three tapped hidden 
 cycle draft a tree (drafting.py), verify all its nodes in one target forward with a 4D tree mask
 and depth positions, accept the longest valid path (verification.py), keep only the accepted KV
 entries, and feed the accepted tokens' tapped features -- taken from that same forward -- to the draft.
+
+A context lookup (hybrid.py) adds the continuations of the current suffix's earlier occurrences to the same tree:
+`context_lookup=True` with a draft (the hybrid tree), or `assistant_model=ContextLookup()` without one (model-free,
+for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its generate() the same way).
 """
 
 from __future__ import annotations
@@ -32,11 +36,11 @@ from transformers.generation import LogitsProcessorList, StopStringCriteria, Sto
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf.generation.cost_model import CycleCostModel
-from eagle3_hf.generation.drafting import TreeBudget, crop_cache
+from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
 from eagle3_hf.generation.exact_attention import exact_verification
+from eagle3_hf.generation.hybrid import LookupOptions, LookupState
 from eagle3_hf.generation.steps import (
     DecodeRun,
-    editable_cache,
     accept,
     draft_tree,
     emit,
@@ -51,7 +55,8 @@ from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
 
 
 # Per-call tree options, also read from a GenerationConfig (GenerationConfig(tree_depth=4) keeps unknown fields).
-TREE_OPTIONS = ("tree_depth", "tree_top_k", "tree_total_tokens", "adaptive_tree", "exact_verify")
+TREE_OPTIONS = ("tree_depth", "tree_top_k", "tree_total_tokens", "adaptive_tree", "exact_verify", "context_lookup",
+                "lookup_depth", "lookup_branches", "lookup_confidence")
 # Options of stock assisted generation that mean nothing for a tree.
 CHAIN_OPTIONS = ("num_assistant_tokens", "num_assistant_tokens_schedule")
 _DEFAULT_CONFIG = GenerationConfig()
@@ -69,6 +74,9 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
         verify_time: seconds spent in target forwards (prefill excluded) and acceptance.
         prefill_time: seconds of the target's prompt forward.
         tree_sizes: nodes verified per cycle, root included (1 = plain step).
+        accept_sources: per cycle, `(draft, lookup, both)`: how many of its accepted tree tokens (the bonus token
+            excluded) the draft proposed, the context lookup proposed, or both did.
+        accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
     """
 
     accept_lengths: list[int] | None = None
@@ -76,6 +84,42 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
     verify_time: float | None = None
     prefill_time: float | None = None
     tree_sizes: list[int] | None = None
+    accept_sources: list[tuple[int, int, int]] | None = None
+    accepted_from_draft: int | None = None
+    accepted_from_lookup: int | None = None
+    accepted_from_both: int | None = None
+
+
+@dataclass
+class ContextLookup:
+    """A model-free assistant: each cycle verifies the tree of the context lookup's continuations alone.
+
+    For a target that has no trained draft yet::
+
+        lookup = ContextLookup().bind(target)  # routes target.generate, as binding a draft does
+        out = target.generate(input_ids, assistant_model=lookup, max_new_tokens=128)
+
+    The fields are the defaults of the per-call options of the same names (a call's keyword wins): `tree_depth`
+    (tokens per continuation), `tree_total_tokens` (tree size, root included), `lookup_branches` (earlier
+    occurrences continued per cycle) and `lookup_max_ngram`. Exact like EAGLE-3: greedy output is the target's own
+    greedy output, sampling follows its distribution.
+    """
+
+    tree_depth: int = 8
+    tree_total_tokens: int = 16
+    lookup_branches: int = 4
+    lookup_max_ngram: int = 4
+
+    def bind(self, target: PreTrainedModel) -> ContextLookup:
+        """Route `target.generate` so that `assistant_model=self` (or a bound draft) selects tree decoding."""
+        _route_generate(target)
+        return self
+
+
+def _route_generate(target: PreTrainedModel) -> None:
+    bound = getattr(target, "generate", None)
+    if not isinstance(bound, functools.partial) or bound.func is not _bound_generate:
+        target.generate = functools.partial(_bound_generate, target)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,9 +154,7 @@ def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
                 "Eagle3DraftModel.from_pretrained(path, target=target, use_target_embedding=True) to use the "
                 "target's embedding instead."
             )
-    bound = getattr(target, "generate", None)
-    if not isinstance(bound, functools.partial) or bound.func is not _bound_generate:
-        target.generate = functools.partial(_bound_generate, target)
+    _route_generate(target)
 
 
 def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig | None, kwargs: dict) -> None:
@@ -124,8 +166,8 @@ def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig
             kwargs[name] = getattr(config, name)
     if kwargs.get("prompt_lookup_num_tokens") is not None or getattr(config, "prompt_lookup_num_tokens", None):
         raise ValueError(
-            "prompt_lookup_num_tokens asks for prompt-lookup decoding, assistant_model=<Eagle3DraftModel> for EAGLE-3: "
-            "pass one of them."
+            "prompt_lookup_num_tokens asks for prompt-lookup decoding (transformers'), assistant_model="
+            "<Eagle3DraftModel> or <ContextLookup> for tree decoding: pass one of them."
         )
     for name in CHAIN_OPTIONS:
         if kwargs.get(name) is not None:
@@ -141,9 +183,10 @@ def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig
 
 
 def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
-    if not isinstance(assistant_model, Eagle3DraftModel):
+    if not isinstance(assistant_model, (Eagle3DraftModel, ContextLookup)):
         return type(target).generate(target, *args, assistant_model=assistant_model, **kwargs)
-    assistant_model.config.check_target_config(target.config)
+    if isinstance(assistant_model, Eagle3DraftModel):
+        assistant_model.config.check_target_config(target.config)
     _tree_options_and_refusals(target, kwargs.get("generation_config") or (args[1] if len(args) > 1 else None), kwargs)
     # generate() hands a custom_generate callable neither the streamer nor the tokenizer (it rebuilds those
     # kwargs from the callable's signature): pass the streamer under our own name, and build the stop-string
@@ -182,13 +225,17 @@ def eagle3_decoding(
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
-    eagle3_draft: Eagle3DraftModel | None = None,
+    eagle3_draft: Eagle3DraftModel | ContextLookup | None = None,
     eagle3_streamer: Any = None,
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
     tree_total_tokens: int | None = None,
     adaptive_tree: bool = True,
     exact_verify: bool | None = None,
+    context_lookup: bool = False,
+    lookup_depth: int | None = None,
+    lookup_branches: int | None = None,
+    lookup_confidence: float | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
     """`custom_generate` callable running EAGLE-3 tree decoding (see the module docstring).
@@ -198,12 +245,29 @@ def eagle3_decoding(
     `exact_verify` (default: on the CPU) verifies each tree node with the attention call shape of the target's own
     decoding step, so that bf16 output equals plain bf16 decoding token for token (exact_attention.py); False
     verifies the whole tree in one tree-masked attention call (identical in fp32 up to near-ties, cheaper).
+
+    Context lookup (hybrid.py): `context_lookup=True` grafts the continuations of the current suffix's earlier
+    occurrences into the draft's tree each cycle (always on with a `ContextLookup` assistant, which has no draft);
+    `lookup_depth` tokens per continuation (default: the tree depth), `lookup_branches` continuations (default 4),
+    and the draft's forward is skipped in a cycle where the lookup's best next token has an estimated acceptance of
+    at least `lookup_confidence` (default 0.8; 1.0 or more: never).
     """
-    draft = eagle3_draft
-    if not isinstance(draft, Eagle3DraftModel):
-        raise ValueError("eagle3_decoding needs `eagle3_draft`, an Eagle3DraftModel.")
+    if isinstance(eagle3_draft, ContextLookup):
+        draft, context_lookup = None, True
+        defaults = dict(depth=eagle3_draft.tree_depth, top_k=eagle3_draft.lookup_branches,
+                        total=eagle3_draft.tree_total_tokens, max_ngram=eagle3_draft.lookup_max_ngram)  # fmt: skip
+        lookup_branches = eagle3_draft.lookup_branches if lookup_branches is None else lookup_branches
+    elif isinstance(eagle3_draft, Eagle3DraftModel):
+        draft = eagle3_draft
+        draft.config.check_target_config(model.config)
+        defaults = dict(depth=draft.config.tree_depth, top_k=draft.config.tree_top_k,
+                        total=draft.config.tree_total_tokens, max_ngram=LookupOptions.max_ngram)  # fmt: skip
+    else:
+        raise ValueError(
+            f"eagle3_decoding needs `eagle3_draft`, an Eagle3DraftModel or a ContextLookup; got "
+            f"{type(eagle3_draft).__name__}."
+        )
     input_ids = input_ids.to(model.device)  # generate() passes CPU ids through for a model on an accelerator
-    draft.config.check_target_config(model.config)
     if generation_config.num_beams not in (None, 1):
         raise ValueError(
             f"EAGLE-3 decoding does not combine with beam search; got num_beams={generation_config.num_beams}."
@@ -218,9 +282,9 @@ def eagle3_decoding(
             "Generate the prompts one at a time."
         )
     budget = TreeBudget(
-        depth=draft.config.tree_depth if tree_depth is None else tree_depth,
-        top_k=draft.config.tree_top_k if tree_top_k is None else tree_top_k,
-        total_tokens=draft.config.tree_total_tokens if tree_total_tokens is None else tree_total_tokens,
+        depth=defaults["depth"] if tree_depth is None else tree_depth,
+        top_k=defaults["top_k"] if tree_top_k is None else tree_top_k,
+        total_tokens=defaults["total"] if tree_total_tokens is None else tree_total_tokens,
     )
     if budget.depth < 1 or budget.top_k < 1 or budget.total_tokens < 2:
         raise ValueError(
@@ -231,10 +295,19 @@ def eagle3_decoding(
     return_dict = bool(generation_config.return_dict_in_generate)
     start = _left_padding(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    lookup = None
+    if context_lookup:
+        lookup = LookupState(options=LookupOptions(
+            depth=budget.depth if lookup_depth is None else lookup_depth,
+            branches=LookupOptions.branches if lookup_branches is None else lookup_branches,
+            max_ngram=defaults["max_ngram"],
+            confidence=LookupOptions.confidence if lookup_confidence is None else lookup_confidence,
+        ))  # fmt: skip
+    layers = model.config.get_text_config().num_hidden_layers
     run = DecodeRun(
         model=model, draft=draft, input_ids=input_ids, logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria, budget=budget,
-        cache=cache, layer_ids=draft.config.resolved_target_layer_ids(model.config.get_text_config().num_hidden_layers),
+        stopping_criteria=stopping_criteria, budget=budget, lookup=lookup,
+        cache=cache, layer_ids=draft.config.resolved_target_layer_ids(layers) if draft is not None else [],
         start=start, do_sample=do_sample,
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0, adaptive_tree=adaptive_tree,
         streamer=eagle3_streamer, output_scores=return_dict and bool(generation_config.output_scores),
@@ -257,12 +330,13 @@ def _decode(run: DecodeRun) -> None:
         plan = draft_tree(run, root=int(run.input_ids[0, -1]))
         t0 = time.perf_counter()
         raw, processed, features = verify(run, plan.tree, past)
-        result = accept(run, plan.tree, processed)
+        result = accept(run, plan, processed)
         new_tokens, path = update_caches_and_features(run, plan.tree, past, result, features)
-        record_cycle(run, plan, plan.tree.tokens.numel(), len(result.path) - 1, time.perf_counter() - t0)
+        verify_s = time.perf_counter() - t0
         # A stopping criterion may cut the cycle short: count only the tokens that reached the output, and keep the
         # cache in step with them (like plain decoding's, it holds every token but the last).
         emitted = emit(run, new_tokens, processed[path], raw[path])
+        record_cycle(run, plan, result.path, emitted, verify_s)
         run.accept_lengths.append(emitted)
         if emitted < len(new_tokens):
             crop_cache(run.cache, past + emitted)
@@ -301,5 +375,9 @@ def _finish(run: DecodeRun, return_dict: bool) -> torch.LongTensor | Eagle3Gener
         verify_time=run.verify_time,
         prefill_time=run.prefill_time,
         tree_sizes=run.tree_sizes,
+        accept_sources=run.accept_sources,
+        accepted_from_draft=sum(c[0] for c in run.accept_sources),
+        accepted_from_lookup=sum(c[1] for c in run.accept_sources),
+        accepted_from_both=sum(c[2] for c in run.accept_sources),
         **{generate_output_cache_field(): run.cache},
     )

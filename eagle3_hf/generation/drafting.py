@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -29,6 +30,40 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
+
+
+def editable_cache(cache: Any) -> DynamicCache:
+    """The target cache to decode into; refuse caches whose entries cannot be selected and cropped."""
+    if cache is None:
+        return DynamicCache()
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"EAGLE-3 tree decoding edits the target KV cache (keeps only accepted tree nodes); a "
+            f"{type(cache).__name__} cannot be edited that way. Use the default DynamicCache (no cache_implementation)."
+        )
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            f"EAGLE-3 decoding needs the target's hidden states for the whole prompt, so it prefills it itself; got a "
+            f"cache already holding {cache.get_seq_length()} tokens. Pass no cache (or an empty DynamicCache)."
+        )
+    # A fresh cache: use plain full-attention layers, which can drop rejected nodes; sliding-window layers are
+    # instead masked by the tree mask.
+    return DynamicCache()
+
+
+def keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+    """Move entries `start + keep` to `start, start+1, ...` and drop the rest (the accepted path of a tree).
+
+    Entries already in place (a root-only cycle, or a path along the first nodes) are not copied, and nothing is
+    cropped when nothing follows them: per layer that is four tensor ops saved on every plain step."""
+    n = keep.numel()
+    if keep.tolist() != list(range(n)):
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+                layer.keys[..., start : start + n, :] = layer.keys[..., start + keep, :]
+                layer.values[..., start : start + n, :] = layer.values[..., start + keep, :]
+    if cache.get_seq_length() > start + n:
+        crop_cache(cache, start + n)
 
 
 @dataclass

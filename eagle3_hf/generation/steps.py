@@ -2,7 +2,10 @@
 
 `eagle3_decoding` (decoding.py) only sequences them: `prefill`, then per cycle `draft_tree` -> `verify` -> `accept`
 -> `update_caches_and_features` -> `record_cycle` -> `emit` (which checks the stopping criteria). Per-call state
-lives in `DecodeRun` and the draft-side `DraftState`, never on the modules.
+lives in `DecodeRun`, the draft-side `DraftState` and the context lookup's `LookupState`, never on the modules.
+
+With a context lookup (hybrid.py) each cycle's tree also holds the lookup's continuations; without a draft
+(`run.draft is None`) it holds only those, and the target's hidden states are never asked for.
 
 Invariants between cycles: the target cache holds every output token but the last (the tree's root), and the
 draft state holds the tapped target features of every verified token, pending until the draft is next consulted.
@@ -11,7 +14,7 @@ draft state holds the tapped target features of every verified token, pending un
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,8 +29,18 @@ from eagle3_hf.generation.drafting import (
     TreeBudget,
     build_greedy_tree,
     build_sampled_tree,
-    crop_cache,
     flush_pending,
+    keep_cache_entries,
+)
+from eagle3_hf.generation.hybrid import (
+    DRAFT,
+    LookupState,
+    best_lookup_nodes,
+    graft,
+    graft_sampled,
+    lookup_only_tree,
+    prune_nodes,
+    source_counts,
 )
 from eagle3_hf.generation.tree import DraftTree, rerank, tree_attention_mask, verification_mask
 from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
@@ -44,7 +57,7 @@ class DecodeRun:
     """Everything one `eagle3_decoding` call reads and updates (batch size 1)."""
 
     model: PreTrainedModel
-    draft: Eagle3DraftModel
+    draft: Eagle3DraftModel | None  # None: the context lookup alone proposes (model-free)
     input_ids: torch.Tensor  # the whole output so far (prompt included)
     logits_processor: LogitsProcessorList
     stopping_criteria: StoppingCriteriaList
@@ -61,10 +74,12 @@ class DecodeRun:
     cost: CycleCostModel = field(default_factory=CycleCostModel)
     exact: ExactAttention | None = None  # row-exact verification (exact_attention.py); None: one tree-masked call
     state: DraftState = field(default_factory=DraftState)
+    lookup: LookupState | None = None  # the context lookup's index and hit rates; None: no lookup
     scores: tuple[torch.Tensor, ...] = ()
     raw_logits: tuple[torch.Tensor, ...] = ()
     accept_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
+    accept_sources: list[tuple[int, int, int]] = field(default_factory=list)  # per cycle: (draft, lookup, both)
     draft_time: float = 0.0
     verify_time: float = 0.0
     prefill_time: float = 0.0
@@ -83,6 +98,10 @@ class DraftPlan:
     predicted: float = 0.0
     consulted: bool = False
     seconds: float = 0.0
+    sources: list[int] | None = None  # per node: DRAFT, LOOKUP or BOTH (hybrid.py); None: all from the draft
+    match: list[int] | None = None  # per node: effective lookup match length, 0 for draft-only nodes
+    point_mass: torch.Tensor | None = None  # sampled trees: nodes that are lookup proposals
+    draws: dict[int, list[int]] | None = None  # sampled trees: draw sequences where duplicates were removed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,26 +139,37 @@ def prefill(run: DecodeRun) -> None:
     t0 = time.perf_counter()
     with torch.no_grad():
         out = run.model(
-            input_ids=run.input_ids[:, run.start :], use_cache=True, output_hidden_states=True, logits_to_keep=1,
-            **cache_kwargs(run.cache), **_exact_kwargs(run),
+            input_ids=run.input_ids[:, run.start :], use_cache=True, output_hidden_states=run.draft is not None,
+            logits_to_keep=1, **cache_kwargs(run.cache), **_exact_kwargs(run),
         )  # fmt: skip
     raw = out.logits[:, -1].float()
     processed = run.logits_processor(run.input_ids, raw.clone())
     first_token = select_token(run, processed[0])
-    features = select_target_features(out.hidden_states, run.layer_ids)  # [1, N, 3Ht]
+    if run.draft is not None:
+        features = select_target_features(out.hidden_states, run.layer_ids)  # [1, N, 3Ht]
+        first = torch.tensor([[first_token]], device=run.device)
+        run.state.add_verified(features, torch.cat([run.input_ids[:, run.start + 1 :], first], dim=1))
     del out
-    first = torch.tensor([[first_token]], device=run.device)
-    run.state.add_verified(features, torch.cat([run.input_ids[:, run.start + 1 :], first], dim=1))
     _sync(run.device)
     run.prefill_time = time.perf_counter() - t0
     emit(run, [first_token], processed, raw)
 
 
 def draft_tree(run: DecodeRun, root: int) -> DraftPlan:
-    """Draft a tree from `root` -- or not, when the cost model says a plain step is faster this cycle."""
+    """Draft a tree from `root` -- or not, when the cost model says a plain step is faster this cycle -- and graft
+    the context lookup's continuations into it (or verify those alone, when the draft is skipped or declines)."""
     cost, state, budget = run.cost, run.state, run.budget
     t0 = time.perf_counter()
-    plan = DraftPlan(consulted=not run.adaptive_tree or cost.consult_draft())
+    trie = cond = None
+    confident = False
+    if run.lookup is not None:
+        run.lookup.sync(run.input_ids[0, run.start :])
+        trie, cond = run.lookup.propose()
+        first = [cond[i] for i in range(1, trie.num_nodes) if trie.parents[i] == 0]
+        # a lookup this sure of its next token leaves the draft little to add: skip its forward this cycle
+        confident = bool(first) and max(first) >= run.lookup.options.confidence
+    use_draft = run.draft is not None and not confident
+    plan = DraftPlan(consulted=use_draft and (not run.adaptive_tree or cost.consult_draft()))
     if plan.consulted:
         flush_pending(run.draft, state)  # verified pairs since the last consultation; not a draft step
         t_tree = time.perf_counter()
@@ -150,27 +180,71 @@ def draft_tree(run: DecodeRun, root: int) -> DraftPlan:
         if not run.adaptive_tree or cost.worth_drafting(top):
             budget.grow = cost.worth_deeper if run.adaptive_tree else None
             if run.do_sample:
-                plan.tree = build_sampled_tree(run.draft, state, root, budget, run.temperature)
+                _sampled_tree(run, plan, root, trie, cond, with_draft=True)
             else:
                 plan.tree = build_greedy_tree(run.draft, state, root, budget)
-                if run.adaptive_tree:
-                    order = torch.argsort(-plan.tree.scores[1:], stable=True)
-                    n, plan.predicted = cost.choose_size(plan.tree.scores[1:][order].exp(), time.perf_counter() - t0)
-                    plan.tree = _prune(plan.tree, n) if n > 0 else None
-            if plan.tree is not None and plan.predicted == 0.0:
-                plan.predicted = float(plan.tree.scores[1:].exp().sum())
-        _sync(run.device)
-        plan.seconds = time.perf_counter() - t0
+                if trie is not None and trie.num_nodes > 1:
+                    plan.tree, plan.sources, plan.match = graft(plan.tree, trie, cond, budget.total_tokens)
+                _size_greedy(run, plan, t0)
         if state.forward_calls > calls_before:
             cost.draft_step.observe(1, (time.perf_counter() - t_tree) / (state.forward_calls - calls_before))
-        run.draft_time += plan.seconds
+    if plan.tree is None and trie is not None and trie.num_nodes > 1:
+        if run.do_sample:
+            _sampled_tree(run, plan, root, trie, cond, with_draft=False)
+        else:
+            plan.tree, plan.sources, plan.match = lookup_only_tree(root, trie, cond, run.device, budget.total_tokens)
+            _size_greedy(run, plan, t0)
+    if plan.tree is not None and plan.predicted == 0.0:
+        plan.predicted = float(plan.tree.scores[1:].exp().sum())
+    _sync(run.device)
+    plan.seconds = time.perf_counter() - t0
+    run.draft_time += plan.seconds
     if plan.tree is None:
         plan.tree = DraftTree.from_parents(
             tokens=torch.tensor([root], device=run.device),
             parents=torch.tensor([-1], device=run.device),
             scores=torch.zeros(1, device=run.device),
         )
+        plan.sources = plan.match = plan.point_mass = plan.draws = None
     return plan
+
+
+def _size_greedy(run: DecodeRun, plan: DraftPlan, t0: float) -> None:
+    """Let the cost model choose how many of the tree's best nodes to verify (adaptive trees only)."""
+    if not run.adaptive_tree:
+        return
+    order = torch.argsort(-plan.tree.scores[1:], stable=True)
+    n, plan.predicted = run.cost.choose_size(plan.tree.scores[1:][order].exp(), time.perf_counter() - t0)
+    if n == 0:
+        plan.tree = None
+    elif plan.sources is not None:
+        plan.tree, plan.sources, plan.match = prune_nodes(plan.tree, plan.sources, plan.match, n)
+    else:
+        plan.tree = _prune(plan.tree, n)
+
+
+def _sampled_tree(run: DecodeRun, plan: DraftPlan, root: int, trie: Any, cond: list[float] | None,
+                  with_draft: bool) -> None:  # fmt: skip
+    """A sampled tree: the lookup's best nodes as point-mass proposals (chosen from the context alone, before any
+    draw), and with `with_draft` the draft's sampled tree in the rest of the budget."""
+    budget = run.budget
+    room = budget.total_tokens - 1 - (budget.top_k if with_draft else 0)  # leave the draft its first level
+    chosen = best_lookup_nodes(trie, cond, room) if trie is not None else []
+    if with_draft:
+        tree = build_sampled_tree(run.draft, run.state, root, replace(budget, total_tokens=budget.total_tokens -
+                                  len(chosen)), run.temperature)  # fmt: skip
+    elif chosen:
+        tree = DraftTree.from_parents(tokens=torch.tensor([root], device=run.device),
+                                      parents=torch.tensor([-1], device=run.device),
+                                      scores=torch.zeros(1, device=run.device))  # fmt: skip
+    else:
+        return
+    if not chosen:
+        plan.tree = tree
+        return
+    grafted = graft_sampled(tree, trie, cond, chosen)
+    plan.tree, plan.sources, plan.match = grafted.tree, grafted.sources, grafted.match
+    plan.point_mass, plan.draws = grafted.point_mass, grafted.draws
 
 
 def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,7 +266,7 @@ def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, to
                 attention_mask=mask,
                 position_ids=(past + tree.depths)[None],
                 use_cache=True,
-                output_hidden_states=True,
+                output_hidden_states=run.draft is not None,
                 **cache_kwargs(run.cache),
                 **_exact_kwargs(run),
             )
@@ -201,16 +275,24 @@ def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, to
             run.exact.clear_tree()
     raw = out.logits[0].float()  # [T, V]
     processed = _process_tree_scores(run.logits_processor, run.input_ids, tree, raw.clone())
-    return raw, processed, select_target_features(out.hidden_states, run.layer_ids)
+    features = select_target_features(out.hidden_states, run.layer_ids) if run.draft is not None else None
+    return raw, processed, features
 
 
-def accept(run: DecodeRun, tree: DraftTree, processed: torch.Tensor) -> AcceptResult:
-    """The longest valid path (greedy match, or lossless stochastic acceptance) and the bonus token."""
+def accept(run: DecodeRun, plan: DraftPlan, processed: torch.Tensor) -> AcceptResult:
+    """The longest valid path (greedy match, or lossless stochastic acceptance) and the bonus token; the lookup
+    learns its hit rates from it."""
+    tree = plan.tree
     if run.do_sample:
         # A root-only tree has no drafted children: sample_accept then draws the bonus from p.
         draft_probs = tree.draft_probs if tree.draft_probs is not None else torch.zeros_like(processed)
-        return sample_accept(tree.tokens, tree.parents, torch.softmax(processed, dim=-1), draft_probs)
-    return greedy_accept(tree.tokens, tree.parents, processed.argmax(dim=-1))
+        result = sample_accept(tree.tokens, tree.parents, torch.softmax(processed, dim=-1), draft_probs,
+                               point_mass=plan.point_mass, draws=plan.draws)  # fmt: skip
+    else:
+        result = greedy_accept(tree.tokens, tree.parents, processed.argmax(dim=-1))
+    if run.lookup is not None and plan.match is not None:
+        run.lookup.observe(tree.parents.tolist(), plan.match, result.path)
+    return result
 
 
 def update_caches_and_features(
@@ -218,68 +300,41 @@ def update_caches_and_features(
 ) -> tuple[list[int], torch.Tensor]:
     """Keep only the accepted path in the target cache; queue its features for the draft. Returns (tokens, path)."""
     path = torch.tensor(result.path, device=run.device)
-    _keep_cache_entries(run.cache, past, path)
+    keep_cache_entries(run.cache, past, path)
     new_tokens = tree.tokens[path[1:]].tolist() + [int(result.bonus_token)]
-    run.state.add_verified(features[:, path], torch.tensor([new_tokens], device=run.device))  # [1, a+1, 3Ht]
+    if run.draft is not None:
+        run.state.add_verified(features[:, path], torch.tensor([new_tokens], device=run.device))  # [1, a+1, 3Ht]
     _sync(run.device)
     return new_tokens, path
 
 
-def record_cycle(run: DecodeRun, plan: DraftPlan, n_nodes: int, accepted: int, verify_s: float) -> None:
-    """Bookkeeping: timings, tree sizes, and what the cost model learns from this cycle."""
+def record_cycle(run: DecodeRun, plan: DraftPlan, path: list[int], emitted: int, verify_s: float) -> None:
+    """Bookkeeping: timings, tree sizes, where the accepted tokens came from, and what the cost model learns."""
     cost = run.cost
+    n_nodes, accepted = plan.tree.num_nodes, len(path) - 1
     run.verify_time += verify_s
     cost.verify.observe(n_nodes, verify_s)
     run.tree_sizes.append(n_nodes)
+    sources = plan.sources if plan.sources is not None else [0] + [DRAFT] * (n_nodes - 1)
+    counts = source_counts(sources, path, min(accepted, emitted)) if n_nodes > 1 else (0, 0, 0)
+    run.accept_sources.append(counts)
     if n_nodes > 1:
         cost.record_cycle(plan.predicted, accepted)
     if plan.consulted and run.adaptive_tree:
-        # tokens gained over plain decoding in the same time: a declined consultation only cost its draft time
+        # tokens gained over plain decoding in the same time: a declined consultation only cost its draft time.
+        # Only the tokens the draft proposed count: the lookup's would have come without consulting it.
+        from_draft = sum(1 for node in path[1:] if sources[node] & DRAFT)
         spent = plan.seconds + (verify_s if n_nodes > 1 else 0.0)
-        cost.after_consultation((accepted + 1 if n_nodes > 1 else 0) - spent * cost.plain_rate())
+        cost.after_consultation((from_draft + 1 if n_nodes > 1 else 0) - spent * cost.plain_rate())
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers
 
 
-def editable_cache(cache: Any) -> DynamicCache:
-    """The target cache to decode into; refuse caches whose entries cannot be selected and cropped."""
-    if cache is None:
-        return DynamicCache()
-    if not isinstance(cache, DynamicCache):
-        raise ValueError(
-            f"EAGLE-3 tree decoding edits the target KV cache (keeps only accepted tree nodes); a "
-            f"{type(cache).__name__} cannot be edited that way. Use the default DynamicCache (no cache_implementation)."
-        )
-    if cache.get_seq_length() > 0:
-        raise ValueError(
-            f"EAGLE-3 decoding needs the target's hidden states for the whole prompt, so it prefills it itself; got a "
-            f"cache already holding {cache.get_seq_length()} tokens. Pass no cache (or an empty DynamicCache)."
-        )
-    # A fresh cache: use plain full-attention layers, which can drop rejected nodes; sliding-window layers are
-    # instead masked by the tree mask.
-    return DynamicCache()
-
-
 def _exact_kwargs(run: DecodeRun) -> dict[str, Any]:
     """The keyword that hands the call's row-exact state to the attention function (see exact_attention.py)."""
     return {} if run.exact is None else {"eagle3_exact": run.exact}
-
-
-def _keep_cache_entries(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
-    """Move entries `start + keep` to `start, start+1, ...` and drop the rest (the accepted path of a tree).
-
-    Entries already in place (a root-only cycle, or a path along the first nodes) are not copied, and nothing is
-    cropped when nothing follows them: per layer that is four tensor ops saved on every plain step."""
-    n = keep.numel()
-    if keep.tolist() != list(range(n)):
-        for layer in cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
-                layer.keys[..., start : start + n, :] = layer.keys[..., start + keep, :]
-                layer.values[..., start : start + n, :] = layer.values[..., start + keep, :]
-    if cache.get_seq_length() > start + n:
-        crop_cache(cache, start + n)
 
 
 def _target_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:

@@ -94,13 +94,17 @@ def _normalize(dist: torch.Tensor) -> torch.Tensor | None:
     return dist / total
 
 
-def _rrs_stages(p: torch.Tensor, q: torch.Tensor, drafted: Sequence[int]) -> Iterator[tuple[float, torch.Tensor]]:
-    """Yields, for each drafted token in turn, ``(accept_probability, p_i)`` assuming all earlier ones were
-    rejected; then yields ``(0.0, residual)`` once, the distribution left after rejecting all of them.
+def _rrs_stages(
+    p: torch.Tensor, q: torch.Tensor, drafted: Sequence[int], point_masses: Sequence[int] = ()
+) -> Iterator[tuple[float, torch.Tensor]]:
+    """Yields, for each proposal in turn, ``(accept_probability, p_i)`` assuming all earlier ones were rejected;
+    then yields ``(0.0, residual)`` once, the distribution left after rejecting all of them.
 
-    ``p_i`` and ``q_i`` are the residual target and draft distributions at step ``i``; ``drafted[i]`` is accepted
-    with probability ``min(1, p_i[x] / q_i[x])``. A draft token with ``q_i[x] == 0`` (impossible in exact
-    arithmetic, since it was drawn from ``q_i``) counts as accepted iff ``p_i[x] > 0``.
+    The proposals are the ``point_masses`` first (each with the one-hot draft distribution on its token), then
+    ``drafted``, drawn without replacement from ``q``. ``p_i`` and ``q_i`` are the residual target and proposal
+    distributions at step ``i``; proposal ``x`` is accepted with probability ``min(1, p_i[x] / q_i[x])`` (for a point
+    mass ``p_i[x]``). A draft token with ``q_i[x] == 0`` (impossible in exact arithmetic, since it was drawn from
+    ``q_i``) counts as accepted iff ``p_i[x] > 0``.
 
     Degenerate residuals: rejecting ``x`` is only possible when ``p_i[x] < q_i[x]``, and then
     ``max(p_i - q_i, 0)`` has positive mass unless ``p_i == q_i``, where rejection has probability 0. If rounding
@@ -113,15 +117,27 @@ def _rrs_stages(p: torch.Tensor, q: torch.Tensor, drafted: Sequence[int]) -> Ite
     p_i = p_orig
     q_i = q.to(device=p.device, dtype=work_dtype)
     rejected: list[int] = []
-    for x in drafted:
-        p_x, q_x = float(p_i[x]), float(q_i[x])
-        if q_x > 0:
-            accept = min(1.0, p_x / q_x)
+    proposals = [(x, True) for x in point_masses] + [(x, False) for x in drafted]
+    for x, point in proposals:
+        if point:  # q_i = one-hot at x: max(p_i - q_i, 0) is p_i without x
+            accept = min(1.0, float(p_i[x]))
+            yield accept, p_i
+            leftover = p_i.clone()
+            leftover[x] = 0
         else:
-            accept = 1.0 if p_x > 0 else 0.0
-        yield accept, p_i
+            p_x, q_x = float(p_i[x]), float(q_i[x])
+            if q_x > 0:
+                accept = min(1.0, p_x / q_x)
+            else:
+                accept = 1.0 if p_x > 0 else 0.0
+            yield accept, p_i
+            leftover = (p_i - q_i).clamp(min=0)
+            q_next = q_i.clone()
+            q_next[x] = 0
+            q_next_normalized = _normalize(q_next)
+            q_i = q_next if q_next_normalized is None else q_next_normalized
         rejected.append(x)
-        residual = _normalize((p_i - q_i).clamp(min=0))
+        residual = _normalize(leftover)
         if residual is None:
             fallback = p_orig.clone()
             fallback[rejected] = 0
@@ -129,15 +145,15 @@ def _rrs_stages(p: torch.Tensor, q: torch.Tensor, drafted: Sequence[int]) -> Ite
             if residual is None:
                 residual = p_orig
         p_i = residual
-        q_next = q_i.clone()
-        q_next[x] = 0
-        q_next_normalized = _normalize(q_next)
-        q_i = q_next if q_next_normalized is None else q_next_normalized
     yield 0.0, p_i
 
 
 def rrs_step(
-    p: torch.Tensor, q: torch.Tensor, drafted: Sequence[int], uniforms: torch.Tensor | Sequence[float]
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafted: Sequence[int],
+    uniforms: torch.Tensor | Sequence[float],
+    point_masses: Sequence[int] = (),
 ) -> tuple[int | None, torch.Tensor]:
     """One node of recursive rejection sampling over siblings drawn without replacement.
 
@@ -145,34 +161,39 @@ def rrs_step(
         p: ``[V]`` target distribution after the node.
         q: ``[V]`` draft distribution the siblings were drawn from (zeros outside the draft vocabulary).
         drafted: sibling tokens in draw order (distinct).
-        uniforms: one U[0, 1) number per sibling.
+        uniforms: one U[0, 1) number per proposal (point masses first, then drafted).
+        point_masses: deterministic proposals (distinct), tried before the drafted ones, each with the one-hot
+            distribution on its own token. A drafted token may repeat one of them: it is then never accepted.
 
     Returns:
-        ``(index, residual_p)``: ``index`` is the position in ``drafted`` of the accepted sibling, or None if all
-        were rejected; ``residual_p`` is the residual target distribution at that point (``p`` itself if the
-        first sibling is accepted), from which the bonus token is drawn when nothing was accepted.
+        ``(index, residual_p)``: ``index`` is the position of the accepted proposal in ``[*point_masses,
+        *drafted]``, or None if all were rejected; ``residual_p`` is the residual target distribution at that point
+        (``p`` itself if the first proposal is accepted), from which the bonus token is drawn when nothing was
+        accepted.
 
     Sibling ``i`` is accepted iff ``uniforms[i] < min(1, p_i[x] / q_i[x])``, where after each rejection
-    ``p <- normalize(max(p - q, 0))`` and ``q <- normalize(q with q[x] = 0)``. See ``_rrs_stages`` for the
-    degenerate cases.
+    ``p <- normalize(max(p - q_i, 0))`` and, for a drafted token, ``q <- normalize(q with q[x] = 0)``. See
+    ``_rrs_stages`` for the degenerate cases.
     """
     if p.dim() != 1 or q.shape != p.shape:
         raise ValueError(f"expected p [V] and q [V], got {tuple(p.shape)} and {tuple(q.shape)}")
-    if len(uniforms) != len(drafted):
-        raise ValueError(f"need one uniform per drafted token: {len(drafted)} drafted, got {len(uniforms)} uniforms")
+    total = len(point_masses) + len(drafted)
+    if len(uniforms) != total:
+        raise ValueError(f"need one uniform per proposal: {total} proposals, got {len(uniforms)} uniforms")
     vocab_size = p.shape[0]
-    if any(not 0 <= int(x) < vocab_size for x in drafted):
-        raise ValueError(f"`drafted` tokens must be in [0, {vocab_size}), got {list(drafted)}")
-    if len(set(int(x) for x in drafted)) != len(drafted):
-        raise ValueError(f"`drafted` tokens must be distinct (drawn without replacement), got {list(drafted)}")
+    for name, tokens in (("drafted", drafted), ("point_masses", point_masses)):
+        if any(not 0 <= int(x) < vocab_size for x in tokens):
+            raise ValueError(f"`{name}` tokens must be in [0, {vocab_size}), got {list(tokens)}")
+        if len(set(int(x) for x in tokens)) != len(tokens):
+            raise ValueError(f"`{name}` tokens must be distinct, got {list(tokens)}")
     uniform_list = uniforms.tolist() if isinstance(uniforms, torch.Tensor) else list(uniforms)
-    stages = _rrs_stages(p, q, [int(x) for x in drafted])
+    stages = _rrs_stages(p, q, [int(x) for x in drafted], [int(x) for x in point_masses])
     for index, (accept, p_i) in enumerate(stages):
-        if index == len(drafted):
+        if index == total:
             return None, p_i
         if uniform_list[index] < accept:
             return index, p_i
-    raise RuntimeError("unreachable: _rrs_stages always yields len(drafted) + 1 stages")
+    raise RuntimeError("unreachable: _rrs_stages always yields one stage per proposal, plus the residual")
 
 
 def _as_row_fn(source: ProbsSource, name: str) -> Callable[[int], torch.Tensor]:
@@ -198,28 +219,54 @@ def sample_accept(
     target_probs_fn: ProbsSource,
     draft_probs: ProbsSource,
     generator: torch.Generator | None = None,
+    point_mass: torch.Tensor | Sequence[bool] | None = None,
+    draws: dict[int, list[int]] | None = None,
 ) -> AcceptResult:
     """Verification by recursive rejection sampling without replacement.
 
     Args:
         tokens: ``[T]`` tree tokens (target vocabulary).
-        parents: ``[T]`` parent indices; node ``i``'s children in index order must be draws without replacement,
-            in draw order, from ``draft_probs[i]``.
+        parents: ``[T]`` parent indices; node ``i``'s draft children in index order must be draws without
+            replacement, in draw order, from ``draft_probs[i]``.
         target_probs_fn: ``node -> [V]`` the target's processed distribution after ``node`` (called only for the
             nodes visited), or a ``[T, V]`` tensor.
         draft_probs: ``[T, V]`` tensor, or ``node -> [V]``: the draft distribution over the target vocabulary
             (zeros outside the draft vocabulary) from which ``node``'s children were drawn. Only read for visited
-            nodes that have children.
+            nodes that have draft children.
         generator: RNG on the distributions' device; a fixed seed reproduces the result.
+        point_mass: optional ``[T]`` bools: node ``i`` is a deterministic proposal (a context lookup's token)
+            rather than a draw. A node's point-mass children must come before its draft children in index order.
+        draws: optional ``node -> the draft's whole draw sequence there``, where some draws were removed from the
+            tree because they repeat a point-mass sibling; the remaining draft children must be exactly the other
+            draws. Without an entry, a node's draft children are its draws.
 
-    At each visited node the children are tried in draw order with ``rrs_step``; the walk moves to the accepted
-    child, or stops and draws the bonus token from the residual (from ``p`` itself at a leaf).
+    At each visited node the proposals are tried with ``rrs_step`` -- the point-mass children, then the draws --;
+    the walk moves to the accepted child, or stops and draws the bonus token from the residual (from ``p`` itself
+    at a leaf).
+
+    Why mixing point masses and draws stays lossless. One step targeting ``p_i`` with a proposal ``x ~ q_i``,
+    accepted with probability ``min(1, p_i(x)/q_i(x))`` and otherwise followed by anything whose output is distributed
+    as ``r = normalize(max(p_i - q_i, 0))``, outputs ``p_i`` exactly: ``P(x accepted) = min(q_i(x), p_i(x))``, and
+    the rejection probability is ``sum(max(q_i - p_i, 0)) = sum(max(p_i - q_i, 0))``, whose product with ``r`` is
+    ``p_i - min(p_i, q_i)``. This holds for any ``q_i``, as long as ``x`` is a draw from it made independently of the
+    uniforms deciding earlier steps. By induction over the proposals (the last "anything" being the bonus draw from
+    the final residual), the output at a node is distributed as its ``p``. A lookup token is decided by the context
+    alone, so it is a draw from the one-hot ``q_i``: accepted with probability ``p_i(x)``, leaving ``p_i`` without
+    ``x``. The draft's draws, made after and independently of the lookup (their sequence conditioned on the tree
+    existing is unchanged), then follow with their usual without-replacement ``q_i``; a draw repeating a rejected
+    lookup token has ``p_i(x) = 0`` (exactly: it was zeroed), so it is never accepted and need not be verified, but
+    it stays a step of the recursion, which is what keeps the residuals after it right. The subtrees of the draws
+    that were removed are never reached. Deeper nodes are the same argument one level down, conditioned on the path.
     """
     _check_tree(tokens, parents)
     target_row = _as_row_fn(target_probs_fn, "target_probs_fn")
     draft_row = _as_row_fn(draft_probs, "draft_probs")
     children = children_lists(parents)
     token_list = tokens.tolist()
+    points = [False] * len(token_list) if point_mass is None else [bool(b) for b in point_mass]
+    if len(points) != len(token_list):
+        raise ValueError(f"`point_mass` must have one entry per node ({len(token_list)}), got {len(points)}")
+    draws = draws or {}
     path = [0]
     node = 0
     while True:
@@ -227,9 +274,37 @@ def sample_accept(
         kids = children[node]
         if not kids:
             return AcceptResult(path=path, bonus_token=_sample(p, generator))
-        uniforms = torch.rand(len(kids), generator=generator, device=p.device)
-        accepted, residual = rrs_step(p, draft_row(node), [token_list[c] for c in kids], uniforms)
+        fixed = [c for c in kids if points[c]]
+        drawn = [c for c in kids if not points[c]]
+        if fixed and drawn and max(fixed) > min(drawn):
+            raise ValueError(f"node {node}: point-mass children {fixed} must come before the draft children {drawn}")
+        sequence = _draw_sequence(node, [token_list[c] for c in drawn], [token_list[c] for c in fixed], draws)
+        uniforms = torch.rand(len(fixed) + len(sequence), generator=generator, device=p.device)
+        q = draft_row(node) if sequence else torch.zeros_like(p)
+        accepted, residual = rrs_step(p, q, sequence, uniforms, point_masses=[token_list[c] for c in fixed])
         if accepted is None:
             return AcceptResult(path=path, bonus_token=_sample(residual, generator))
-        node = kids[accepted]
+        if accepted < len(fixed):
+            node = fixed[accepted]
+        else:
+            wanted = sequence[accepted - len(fixed)]
+            match = [c for c in drawn if token_list[c] == wanted]
+            if not match:
+                raise RuntimeError(f"node {node}: accepted the removed draw {wanted}, which has no target mass")
+            node = match[0]
         path.append(node)
+
+
+def _draw_sequence(node: int, drawn: list[int], fixed: list[int], draws: dict[int, list[int]]) -> list[int]:
+    """The draft's draw sequence at `node`: its draft children's tokens, or `draws[node]` when some were removed
+    (which must then repeat a point-mass sibling)."""
+    if node not in draws:
+        return drawn
+    sequence = list(draws[node])
+    removed = [t for t in sequence if t not in drawn]
+    if [t for t in sequence if t in drawn] != drawn or any(t not in fixed for t in removed):
+        raise ValueError(
+            f"node {node}: draws {sequence} must be the draft children {drawn} in order plus repeats of the "
+            f"point-mass children {fixed}"
+        )
+    return sequence
