@@ -84,7 +84,32 @@ def parse_command(command: str, argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one `eagle3-hf` command line; returns its exit code.
+
+    Without `argv` this is the program (the `eagle3-hf` script, `python -m eagle3_hf.cli`, a `torchrun` or
+    `accelerate launch` worker): the process group a command joined is then torn down before returning, after every
+    process has finished (see `end_distributed`). With `argv` (a caller running several commands in one process)
+    the group is left to the caller, which may run another command in it.
+    """
+    program = argv is None
+    code = 1
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+        return code
+    finally:
+        if program:
+            _end_distributed(finished=code == 0)
+
+
+def _end_distributed(finished: bool) -> None:
+    # Only a command that imported torch.distributed can have joined a group; --help and --version never load torch.
+    if "torch.distributed" in sys.modules:
+        from eagle3_hf.training.distributed import end_distributed
+
+        end_distributed(finished)
+
+
+def _run(argv: list[str]) -> int:
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
     top = build_parser()

@@ -1,4 +1,5 @@
-"""Shared test fixtures: one torch thread, SmolLM2's real tokenizer as a cached plain folder, a tiny chat target."""
+"""Shared test fixtures: one torch thread, the devices to run on, SmolLM2's real tokenizer as a cached plain folder,
+a tiny chat target."""
 
 import importlib.util
 import json
@@ -9,6 +10,31 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle3_hf.targets import SMOLLM2, cached_plain_copy
+
+
+# The CPU always; CUDA when this machine has it, in fp32 and in the half-precision types it runs. On a CPU-only
+# machine the device-parametrised tests run once, as before (scripts/gpu_check.sh runs them on CUDA).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+HALF_DTYPES = (
+    [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else []) if torch.cuda.is_available() else []
+)
+DEVICE_DTYPES = [(device, torch.float32) for device in DEVICES] + [("cuda", dtype) for dtype in HALF_DTYPES]
+
+
+def _dtype_id(case: tuple[str, torch.dtype]) -> str:
+    return f"{case[0]}-{str(case[1]).removeprefix('torch.')}"
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Each device the tests can run on: ``"cpu"``, and ``"cuda"`` when available."""
+    return request.param
+
+
+@pytest.fixture(params=DEVICE_DTYPES, ids=[_dtype_id(c) for c in DEVICE_DTYPES])
+def device_dtype(request) -> tuple[str, torch.dtype]:
+    """``(device, dtype)``: the CPU in fp32, and CUDA (when available) in fp32, fp16 and bf16 (where supported)."""
+    return request.param
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -25,22 +25,11 @@ _spec = importlib.util.spec_from_file_location("fsdp_worker", WORKER)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
+_spec = importlib.util.spec_from_file_location("fsdp_exit_loop", ROOT / "scripts" / "fsdp_exit_loop.py")
+exit_loop = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(exit_loop)
 # What `accelerate config` writes for FSDP2, on CPU processes.
-ACCELERATE_FSDP_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-machine_rank: 0
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: FULL_STATE_DICT
-  fsdp_cpu_ram_efficient_loading: false
-"""
+ACCELERATE_FSDP_CONFIG = exit_loop.accelerate_config("fsdp", 2)
 
 
 def free_port() -> int:
@@ -174,6 +163,27 @@ def test_unsupported_distributed_set_ups_are_refused(target_and_data, tmp_path, 
         Eagle3Trainer(worker.new_draft(target, dataset), args, target=target, train_dataset=dataset)
     with pytest.raises(ValueError, match="needs an initialised torch.distributed group"):
         load_target("unused", shard=True)
+
+
+def test_the_program_ends_its_process_group_and_a_caller_keeps_it(chat_target, tmp_path, monkeypatch):
+    # A worker process that leaves its group to the interpreter's exit can abort after finishing (gloo's threads):
+    # `eagle3-hf` as the program (no argv) tears the group down after success and after an error alike.
+    import torch.distributed as dist
+
+    folder, data = chat_target
+    vocab = ["vocab", "--target", str(folder), "--output", str(tmp_path / "vocab.safetensors"), "--overwrite-output-dir",
+             "--draft-vocab-size", "32", "--data"]  # fmt: skip
+    cases = [(vocab + [str(data)], 0), (vocab + [str(tmp_path / "missing.jsonl")], 2)]  # a run that finishes, one refused
+    for number, (argv, code) in enumerate(cases):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{number}'}", rank=0, world_size=1)
+        try:
+            assert cli_main(argv) == code and dist.is_initialized()  # a caller's own command: the group stays
+            monkeypatch.setattr(sys, "argv", ["eagle3-hf", *argv])
+            assert cli_main() == code
+            assert not dist.is_initialized()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 @pytest.fixture

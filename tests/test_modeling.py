@@ -41,20 +41,22 @@ def make_target(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_from_target_builds_a_working_draft(family):
+def test_from_target_builds_a_working_draft(family, device_dtype):
     target = make_target(family)
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=300)
+    target.to(*device_dtype), draft.to(*device_dtype)
     assert draft.config.target_layer_ids == [2, L // 2, L - 3]
     assert draft.config.head_dim == (getattr(target.config, "head_dim", None) or 64 // 4)
     assert draft.embedding_loaded and not draft.embed_tokens.weight.requires_grad
     assert torch.equal(draft.embed_tokens.weight, target.get_input_embeddings().weight)
-    ids = torch.randint(0, V, (2, 5))
+    ids = torch.randint(0, V, (2, 5), device=device_dtype[0])
     with torch.no_grad():
         hidden_states = target(ids, output_hidden_states=True).hidden_states
         first = draft(ids, target_hidden_states=draft.target_features(hidden_states), use_cache=True)
         second = draft(ids[:, :1], hidden_states=first.last_hidden_state[:, -1:], cache=first.cache)
     assert first.logits.shape == (2, 5, 300) and first.last_hidden_state.shape == (2, 5, 64)
     assert second.logits.shape == (2, 1, 300) and torch.isfinite(second.logits).all()
+    assert second.logits.device.type == device_dtype[0] and second.logits.dtype == device_dtype[1]
 
 
 def test_auto_classes_round_trip(tmp_path):

@@ -54,13 +54,18 @@ def make_args(output_dir, **overrides):
     return Eagle3TrainingArguments(**values)
 
 
-def test_training_lowers_the_loss_and_raises_acc0(target, dataset, tmp_path):
+def test_training_lowers_the_loss_and_raises_acc0(target, dataset, tmp_path, device_dtype):
     # 80 steps of batch 4 on the synthetic data: an untrained draft is right ~1/48 of the time. The random target's
     # top tokens are unrelated to the data's, so the 48-id vocabulary (counted on the data) holds only some of them:
     # acc_0 (full vocabulary, those positions are misses) can reach at most the coverage (~0.65 here); over the last
     # 10 steps it must pass 0.3 (it reaches ~0.37) and the loss must fall by more than 20%.
+    # On CUDA, fp16/bf16 are the Trainer's mixed precision (fp32 master weights), the way a GPU run trains.
+    device, dtype = device_dtype
+    if device != "cpu":
+        target = tiny.make_tiny_target()  # the Trainer moves its target to the device: not the module's shared one
     draft = new_draft(target)
-    args = make_args(tmp_path, max_steps=80, logging_steps=10, lr_scheduler_type="constant")
+    args = make_args(tmp_path, max_steps=80, logging_steps=10, lr_scheduler_type="constant", use_cpu=device == "cpu",
+                     fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16)  # fmt: skip
     trainer = Eagle3Trainer(draft, args, target=target, train_dataset=dataset)
     assert draft.d2t.any()  # the placeholder vocabulary was replaced by one built from the data
     trainer.train()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "check_fsdp_plugin",
     "distributed_rank",
     "enable_cpu_fsdp",
+    "end_distributed",
     "fsdp_mesh",
     "fsdp_memory_per_process",
     "init_distributed_from_launcher",
@@ -289,6 +291,27 @@ def init_distributed_from_launcher() -> tuple[int, int]:
 
         PartialState()
     return distributed_rank()
+
+
+def end_distributed(finished: bool) -> bool:
+    """Tear down this process's default process group, if any; True when there was one.
+
+    Left to the interpreter's exit, the group's backend threads (gloo's, NCCL's watchdog) are destroyed while still
+    running, and a process that has done all its work can abort ("terminate called without an active exception",
+    SIGABRT): the launcher then reports a failed run. When this process `finished` its command, it first waits for
+    every other one, so that no process tears its end down while another still writes or saves through the group;
+    after a failure it does not wait (the others may never come) and only releases its own end.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        if finished and dist.get_world_size() > 1:
+            dist.barrier()
+    except RuntimeError as error:  # a peer already gone (it failed): nothing left to wait for
+        warnings.warn(f"Another process left before this one finished: {error}", RuntimeWarning, stacklevel=2)
+    finally:
+        dist.destroy_process_group()
+    return True
 
 
 def process_device(device: str) -> str:
