@@ -234,8 +234,9 @@ def exact_attention_forward(
         paths = state.paths[call.start : call.stop, :width]  # [n, width]
         layer.keys[:n, :, past : call.end] = tree_keys[paths].transpose(1, 2)
         layer.values[:n, :, past : call.end] = tree_values[paths].transpose(1, 2)
-        q, k, v = queries[call.start : call.stop], layer.keys[:n, :, call.begin : call.end], layer.values[:n, :, call.begin : call.end]
-        if direct and (call.begin == 0):
+        q = queries[call.start : call.stop]
+        k, v = layer.keys[:n, :, call.begin : call.end], layer.values[:n, :, call.begin : call.end]
+        if direct and call.begin == 0:
             rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs))
             continue
         mask = None

@@ -112,7 +112,8 @@ def _differs(tree: torch.Tensor, steps: list[torch.Tensor]) -> bool:
     axis = 1 if tree.shape[1] == nodes else 2 if tree.dim() > 2 and tree.shape[2] == nodes else None
     if axis is None:
         return False  # not a per-token output
-    return any(not torch.equal(tree[0].select(axis - 1, i), step[0].select(axis - 1, -1)) for i, step in enumerate(steps))
+    rows = zip(tree[0].unbind(axis - 1), steps)
+    return any(not torch.equal(row, step[0].select(axis - 1, -1)) for row, step in rows)
 
 
 def probe_row_exactness(
