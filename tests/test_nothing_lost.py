@@ -205,3 +205,25 @@ def test_a_draft_vocabulary_covering_under_half_the_tokens_warns(chat_target, tm
                           tmp_path / "run", "--ttt-length", "2", "--max-steps", "1", "--draft-vocab-size", "3")
     assert code == 0, err
     assert "Warning: --draft-vocab-size 3 covers under 50% of the supervised tokens" in text
+
+
+def test_a_trainer_checkpoint_config_loads_without_a_warning(tmp_path, caplog):
+    """The Trainer writes `use_cache` into its checkpoints' config.json: loading our own checkpoint says nothing,
+    while a key of unknown origin is still logged."""
+    import json
+    import logging
+
+    from eagle3_hf import Eagle3DraftModel
+    from test_generation import make_pair
+
+    target, draft = make_pair("llama")
+    draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_cache": False}))
+    with caplog.at_level(logging.WARNING):
+        Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    assert "unknown key" not in caplog.text
+    (tmp_path / "config.json").write_text(json.dumps({**config, "some_future_field": 1}))
+    with caplog.at_level(logging.WARNING):
+        Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    assert "unknown key 'some_future_field'" in caplog.text

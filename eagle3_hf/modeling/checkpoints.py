@@ -168,10 +168,16 @@ def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: st
         raise ValueError(f"{source}: invalid draft config: {err}") from err
 
 
+# Keys transformers itself writes into a model's config.json at run time: the Trainer's checkpoints carry
+# `use_cache` (it turns the cache off while training). They are ours, so loading them says nothing.
+RUNTIME_KEYS = frozenset({"use_cache"})
+
+
 def _check_native_keys(config: dict[str, Any], source: str) -> None:
     """Refuse a key that looks like a misspelt config field (`hiden_size`): from_dict would keep it and silently
     use the default for the real one. Other unknown keys (another version's fields) are only logged."""
     known = set(Eagle3DraftConfig().to_dict()) | set(inspect.signature(Eagle3DraftConfig.__init__).parameters)
+    known |= RUNTIME_KEYS
     for key in sorted(set(config) - known):
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
         if close:
