@@ -227,3 +227,39 @@ def test_a_trainer_checkpoint_config_loads_without_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         Eagle3DraftModel.from_pretrained(tmp_path, target=target)
     assert "unknown key 'some_future_field'" in caplog.text
+
+
+def test_a_run_killed_while_it_checkpoints_resumes_from_a_whole_checkpoint(chat_target, tmp_path):
+    """SIGKILL, not an exception: a training process killed while it writes checkpoints (one every step) leaves no
+    `checkpoint-N` that `--resume` would take half-written, and the resumed run finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder, data = chat_target
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "eagle3_hf.cli", "train", "--target", str(folder), "--data", str(data),
+               "--output", str(out), "--ttt-length", "2", "--draft-vocab-size", "64", "--save-steps", "1"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.Popen([*command, "--max-steps", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoint-3").exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.1)  # into the next steps, whose checkpoints are being written
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    for checkpoint in out.glob("checkpoint-*"):  # every visible checkpoint is whole
+        assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "model.safetensors").is_file()
+    steps = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    done = subprocess.run([*command, "--max-steps", str(steps + 2), "--resume"], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"Resuming from {out / f'checkpoint-{steps}'}" in done.stdout + done.stderr
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == steps + 2
