@@ -127,4 +127,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # The group is torn down and the summary printed; skip the interpreter's own teardown, where torch's gloo
+    # threads can still abort a finished run ("terminate called without an active exception") on a loaded machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
