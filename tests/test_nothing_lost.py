@@ -240,13 +240,19 @@ def test_a_run_killed_while_it_checkpoints_resumes_from_a_whole_checkpoint(chat_
     folder, data = chat_target
     out = tmp_path / "run"
     command = [sys.executable, "-m", "eagle3_hf.cli", "train", "--target", str(folder), "--data", str(data),
-               "--output", str(out), "--ttt-length", "2", "--draft-vocab-size", "64", "--save-steps", "1"]  # fmt: skip
+               "--output", str(out), "--ttt-length", "2", "--draft-vocab-size", "64", "--save-steps", "1",
+               "--save-total-limit", "0"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.Popen([*command, "--max-steps", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+
+    def saved_steps():
+        return [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")]
+
+    # far more steps than it can finish before the kill; a fast machine must not end the run first
+    child = subprocess.Popen([*command, "--max-steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        while not (out / "checkpoint-3").exists() and child.poll() is None and time.monotonic() < deadline:
+        while max(saved_steps(), default=0) < 3 and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert child.poll() is None, "the run ended before it could be killed"
         time.sleep(0.1)  # into the next steps, whose checkpoints are being written
@@ -257,7 +263,7 @@ def test_a_run_killed_while_it_checkpoints_resumes_from_a_whole_checkpoint(chat_
             child.kill()
     for checkpoint in out.glob("checkpoint-*"):  # every visible checkpoint is whole
         assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "model.safetensors").is_file()
-    steps = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    steps = max(saved_steps())
     done = subprocess.run([*command, "--max-steps", str(steps + 2), "--resume"], capture_output=True, text=True,
                           env=env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
