@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 from datasets import Dataset
@@ -155,4 +156,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if "LOCAL_RANK" in os.environ:  # launched by torchrun; the process group is already torn down
+        # Skip the interpreter's own teardown: on a loaded machine torch's gloo threads can still hang or abort
+        # a run that has finished and printed its summary.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
