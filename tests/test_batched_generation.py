@@ -1,0 +1,202 @@
+"""Batched EAGLE-3 in `target.generate(input_ids, attention_mask=mask, assistant_model=draft)` (fp32).
+
+A left-padded batch of prompts of different lengths decodes, row by row, to each prompt's own plain greedy output,
+for tiny random targets of every family (Mistral and Gemma3 decode past their 5-token sliding window); rows stop at
+different steps (EOS, stop strings) and are padded as plain batched generate() pads them; the left padding's token
+values and amount change nothing (it never reaches the target's attention or the draft).
+"""
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+from test_generation import FAMILIES, NEW, TREES, V, eagle, first_new_token_at, letter_tokenizer, make_pair, plain
+from eagle3_hf.generation import batched
+
+LENGTHS = (3, 7, 12, 20)
+
+
+def left_padded(prompts, pad=0, extra=0):
+    """`(ids, mask)` `[B, longest + extra]`: each prompt right-aligned after `pad` ids."""
+    width = max(p.shape[1] for p in prompts) + extra
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1] :] = prompt[0]
+        mask[row, width - prompt.shape[1] :] = 1
+    return ids, mask
+
+
+def unpadded(sequences, mask, row):
+    width = mask.shape[1]
+    return sequences[row, width - int(mask[row].sum()) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def cases():
+    built = {}
+
+    def get(family):
+        if family not in built:
+            target, draft = make_pair(family)
+            generator = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, V, (1, n), generator=generator) for n in LENGTHS]
+            built[family] = target, draft, prompts, [plain(target, p, max_new_tokens=NEW) for p in prompts]
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("tree", ["wide", "deep", "chain"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
+    target, draft, prompts, references = cases(family)
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True, **TREES[tree])  # fmt: skip
+    assert out.sequences.shape == (len(prompts), ids.shape[1] + NEW)
+    for row, reference in enumerate(references):
+        assert unpadded(out.sequences, mask, row) == reference[0].tolist(), f"row {row} ({LENGTHS[row]} tokens)"
+    # per-row statistics: every row's cycles add up to its generated tokens (the prefill's token is not a cycle)
+    assert len(out.accept_lengths) == len(prompts)
+    assert all(sum(lengths) == NEW - 1 for lengths in out.accept_lengths)
+    assert all(len(sizes) == len(lengths) for sizes, lengths in zip(out.tree_sizes, out.accept_lengths))
+    if tree != "chain":
+        assert any(length > 1 for lengths in out.accept_lengths for length in lengths)  # real trees were accepted
+
+
+def test_batched_greedy_matches_batch_one_eagle(cases):
+    """The batched draft builds each row's tree as the batch-1 loop does: the same accepted lengths per cycle."""
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True, **TREES["wide"])  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        one = eagle(target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, exact_verify=False,
+                    **TREES["wide"])  # fmt: skip
+        assert one.accept_lengths == out.accept_lengths[row]
+
+
+def test_left_padding_never_reaches_the_models(cases):
+    """Other padding ids and more padding columns change nothing."""
+    target, draft, prompts, _ = cases("mistral")
+    ids, mask = left_padded(prompts)
+    expected = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                               **TREES["wide"])  # fmt: skip
+    for pad, extra in [(7, 0), (3, 5)]:
+        other_ids, other_mask = left_padded(prompts, pad=pad, extra=extra)
+        out = target.generate(other_ids, attention_mask=other_mask, assistant_model=draft, do_sample=False,
+                              max_new_tokens=NEW, **TREES["wide"])  # fmt: skip
+        assert out[:, other_ids.shape[1] :].tolist() == expected[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("tree", ["wide", "deep"])
+def test_rows_stop_at_their_own_eos_and_are_padded(cases, family, tree):
+    target, draft, prompts, references = cases(family)
+    # an EOS that the first row emits early and the others later or never
+    k, eos = first_new_token_at(references[0], prompts[0].shape[1], start=3)
+    ids, mask = left_padded(prompts)
+    options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, return_dict_in_generate=True, **options,
+                          **TREES[tree])  # fmt: skip
+    assert out.sequences.tolist() == expected.tolist()
+    lengths = {len(sizes) for sizes in out.tree_sizes}
+    assert len(lengths) > 1 or expected.shape[1] < ids.shape[1] + NEW  # rows left the batch at different cycles
+    for row, prompt in enumerate(prompts):  # and each row is its own plain output up to its EOS
+        alone = plain(target, prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1)
+        mine = unpadded(out.sequences, mask, row)
+        assert mine[: alone.shape[1]] == alone[0].tolist() and set(mine[alone.shape[1] :]) <= {V - 1}
+
+
+@pytest.mark.parametrize("tree", ["wide", "deep"])
+def test_stop_strings_without_eos_let_finished_rows_run_on(cases, tree):
+    """Without an EOS criterion plain generate() does not pad finished rows: they keep their real tokens until the
+    last row stops."""
+    target, draft, prompts, references = cases("llama")
+    tokenizer = letter_tokenizer()
+    n = prompts[1].shape[1]
+    k, _ = first_new_token_at(references[1], n, start=5)
+    stops = [tokenizer.decode(references[1][0, n + k - 1 : n + k + 1])]
+    ids, mask = left_padded(prompts)
+    options = dict(max_new_tokens=NEW, stop_strings=stops, tokenizer=tokenizer, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES[tree])
+    assert out.tolist() == expected.tolist()
+    # with a pad token and an EOS that never occurs, finished rows are padded instead
+    options.update(eos_token_id=V + 5, pad_token_id=V - 1)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    assert (expected == V - 1).any()
+    assert target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES[tree]).tolist() == \
+        expected.tolist()  # fmt: skip
+
+
+def test_compacting_the_caches_every_cycle_changes_nothing(cases, monkeypatch):
+    target, draft, prompts, references = cases("gemma3")
+    monkeypatch.setattr(batched, "COMPACT_RATIO", 0.0)
+    monkeypatch.setattr(batched, "COMPACT_MIN_COLUMNS", 1)
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          **TREES["deep"])  # fmt: skip
+    for row, reference in enumerate(references):
+        assert unpadded(out, mask, row) == reference[0].tolist()
+
+
+class Collector:
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_streamer_sees_what_plain_batched_generate_streams(cases, padded):
+    """Column by column, finished rows padded (EOS) or running on (stop strings without EOS)."""
+    target, draft, prompts, references = cases("llama")
+    ids, mask = left_padded(prompts)
+    if padded:
+        k, eos = first_new_token_at(references[0], prompts[0].shape[1], start=3)
+        options = dict(eos_token_id=eos, pad_token_id=V - 1)
+    else:
+        tokenizer, n = letter_tokenizer(), prompts[1].shape[1]
+        k, _ = first_new_token_at(references[1], n, start=5)
+        options = dict(stop_strings=[tokenizer.decode(references[1][0, n + k - 1 : n + k + 1])], tokenizer=tokenizer)
+    ours, theirs = Collector(), Collector()
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, streamer=ours, max_new_tokens=NEW,
+                          do_sample=False, **options, **TREES["wide"])  # fmt: skip
+    expected = target.generate(ids, attention_mask=mask, streamer=theirs, max_new_tokens=NEW, do_sample=False,
+                               **options)  # fmt: skip
+    assert out.tolist() == expected.tolist()
+    assert ours.puts == theirs.puts and ours.ends == theirs.ends == 1
+
+
+def test_a_text_streamer_is_refused_as_plain_generate_refuses_it(cases, tokenizer):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts[:2])
+    with pytest.raises(ValueError, match="batch size 1") as plain_error:
+        target.generate(ids, attention_mask=mask, streamer=TextStreamer(tokenizer), max_new_tokens=4)
+    with pytest.raises(ValueError, match="batch size 1") as our_error:
+        target.generate(ids, attention_mask=mask, assistant_model=draft, streamer=TextStreamer(tokenizer),
+                        max_new_tokens=4)  # fmt: skip
+    assert str(our_error.value) == str(plain_error.value)
+
+
+@pytest.mark.parametrize("options", [dict(context_lookup=True), dict(exact_verify=True),
+                                     dict(output_scores=True, return_dict_in_generate=True)])  # fmt: skip
+def test_refuses_what_the_batched_loop_does_not_do(cases, options):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts[:2])
+    with pytest.raises(ValueError, match="batch"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, **options)
+
+
+def test_refuses_right_padding(cases):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts[:2])
+    with pytest.raises(ValueError, match="left padding"):
+        target.generate(ids, attention_mask=mask.flip(1), assistant_model=draft, max_new_tokens=4)
