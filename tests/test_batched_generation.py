@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import TextStreamer
 
+from test_sampling import CHI2_CRITICAL_0001, N, chi_square, exact_law_of_tokens_2_and_3
+from test_sampling import TREES as SAMPLED_TREES, V as SV, models  # noqa: F401 (models: the sampling fixture)
 from test_generation import FAMILIES, NEW, TREES, V, eagle, first_new_token_at, letter_tokenizer, make_pair, plain
 from eagle3_hf.generation import batched
 
@@ -200,3 +202,46 @@ def test_refuses_right_padding(cases):
     ids, mask = left_padded(prompts[:2])
     with pytest.raises(ValueError, match="left padding"):
         target.generate(ids, attention_mask=mask.flip(1), assistant_model=draft, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling: each row follows its own target law
+
+
+def chi_square_critical_0001(dof):
+    """Upper 0.001 quantile of the chi-square law (Wilson-Hilferty; within 1% for dof >= 10)."""
+    z = 3.090232  # the standard normal's upper 0.001 quantile
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_chi_square_critical_values():
+    for dof, exact in CHI2_CRITICAL_0001.items():
+        assert chi_square_critical_0001(dof) == pytest.approx(exact, rel=0.005)
+
+
+@pytest.mark.parametrize("tree", ["chain", "tree"])
+def test_batched_sampling_follows_each_rows_target_law(models, tree):
+    """Tokens 2 and 3 (the first cycle) of each row of a left-padded batch of three prompts against that prompt's
+    exact law, at T=0.7 with top_p=0.9 (chi-square per row, alpha 0.001; top-p's forbidden pairs never occur)."""
+    target, draft = models
+    prompts = [torch.tensor([[1, 5, 2, 7]]), torch.tensor([[3, 3, 6]]), torch.tensor([[0, 4, 1, 5, 2, 6]])]
+    ids, mask = left_padded(prompts)
+    laws = [exact_law_of_tokens_2_and_3(target, 0.7, 0.9, prompt=p) for p in prompts]
+    counts = torch.zeros(len(prompts), SV, SV, dtype=torch.float64)
+    torch.manual_seed(2000 + list(SAMPLED_TREES).index(tree))
+    cycles = []
+    for _ in range(N):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=True, top_k=0,
+                              temperature=0.7, top_p=0.9, max_new_tokens=3, adaptive_tree=False,
+                              return_dict_in_generate=True, **SAMPLED_TREES[tree])  # fmt: skip
+        for row in range(len(prompts)):
+            _, x2, x3 = out.sequences[row, ids.shape[1] :].tolist()
+            counts[row, x2, x3] += 1
+        cycles.append([len(lengths) for lengths in out.accept_lengths])
+    for row, law in enumerate(laws):
+        impossible = law == 0
+        assert bool(impossible.any()) and float(counts[row][impossible].sum()) == 0
+        stat, dof = chi_square(counts[row][~impossible], N * law[~impossible])
+        assert stat < chi_square_critical_0001(dof), f"row {row}: chi2 {stat:.1f} at {dof} dof"
+        one_cycle = sum(c[row] == 1 for c in cycles)  # a drafted token accepted in the first cycle, or not
+        assert 0.05 * N < one_cycle < 0.95 * N

@@ -9,7 +9,7 @@ padded with `pad_token_id` afterwards, as plain generate() pads it -- which it d
 present; without one plain generate() lets finished rows run on, and so does this loop, until the last row stops.
 
 The steps are named functions over one explicit per-call state (`BatchRun`), as steps.py does for one row.
-Limits (for now): greedy and sampling; no context lookup; no row-exact bf16 verification (`exact_verify` must not
+Limits (for now): no context lookup; no row-exact bf16 verification (`exact_verify` must not
 be True); no `output_scores` / `output_logits` (plain generate() computes scores for finished rows that this loop
 never computes).
 """
@@ -26,11 +26,12 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from eagle3_hf.generation.batched_draft import BatchDraftState, build_greedy_trees, flush_rows
+from eagle3_hf.generation.batched_sampling import build_sampled_trees
 from eagle3_hf.generation.batched_target import TargetColumns, keep_paths, pad_trees, verify_mask
 from eagle3_hf.generation.drafting import TreeBudget
 from eagle3_hf.generation.steps import _process_tree_scores
 from eagle3_hf.generation.tree import DraftTree
-from eagle3_hf.generation.verification import AcceptResult, greedy_accept
+from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
 
@@ -178,7 +179,10 @@ def draft_trees(run: BatchRun) -> list[DraftTree]:
     t0 = time.perf_counter()
     flush_rows(run.draft, run.state)
     roots = torch.tensor([run.out[row, run.lengths[row] - 1] for row in run.active], device=run.device)
-    trees = build_greedy_trees(run.draft, run.state, roots, run.budget)
+    if run.do_sample:
+        trees = build_sampled_trees(run.draft, run.state, roots, run.budget, run.temperature)
+    else:
+        trees = build_greedy_trees(run.draft, run.state, roots, run.budget)
     run.draft_time += time.perf_counter() - t0
     return trees
 
@@ -203,7 +207,11 @@ def accept(run: BatchRun, trees: list[DraftTree], raw: torch.Tensor) -> tuple[li
         prefix = run.out[row : row + 1, : run.lengths[row]]
         scores = _process_tree_scores(run.logits_processor, prefix, tree, raw[i, : tree.num_nodes].clone())
         processed.append(scores)
-        results.append(greedy_accept(tree.tokens, tree.parents, scores.argmax(dim=-1)))
+        if run.do_sample:
+            draft_probs = tree.draft_probs if tree.draft_probs is not None else torch.zeros_like(scores)
+            results.append(sample_accept(tree.tokens, tree.parents, torch.softmax(scores, dim=-1), draft_probs))
+        else:
+            results.append(greedy_accept(tree.tokens, tree.parents, scores.argmax(dim=-1)))
     return results, processed
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from eagle3_hf.generation.draft_step import DraftKV
 from eagle3_hf.generation.drafting import TreeBudget, top_children
 from eagle3_hf.generation.tree import DraftTree, rerank
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
 
 __all__ = ["BatchDraftKV", "BatchDraftState", "batched_draft_forward", "build_greedy_trees", "flush_rows"]
 
@@ -141,10 +141,6 @@ def batched_draft_forward(
     return normed, normed if draft.config.norm_output else out
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
 @torch.no_grad()
 def flush_rows(draft: Eagle3DraftModel, state: BatchDraftState) -> None:
     """Run the draft over every row's pending verified pairs in one forward; refresh each row's last output."""
@@ -169,7 +165,7 @@ def flush_rows(draft: Eagle3DraftModel, state: BatchDraftState) -> None:
     positions = (state.positions[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)
     state.forward_calls += 1
     normed, feedback = batched_draft_forward(draft, state.kv, tokens, hidden, positions, start,
-                                             _additive(allowed, hidden.dtype))  # fmt: skip
+                                             additive_mask(allowed, hidden.dtype))  # fmt: skip
     state.kv.length += n
     state.valid = torch.cat([state.valid, valid], dim=1)
     state.positions = state.positions + valid.sum(dim=1)
@@ -216,7 +212,7 @@ def build_greedy_trees(
         normed, feedback = batched_draft_forward(
             draft, state.kv, draft.draft_to_target_ids(frontier_ids), frontier_hidden,
             (state.positions + level - 1)[:, None].expand(rows, kf), prefix + fed,
-            _additive(allowed, frontier_hidden.dtype), rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
+            additive_mask(allowed, frontier_hidden.dtype), rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
         )  # fmt: skip
         fed += kf
         child_ids, child_logp = top_children(draft.lm_head(normed), k)  # [A, kf, k] each
