@@ -49,7 +49,7 @@ def cases():
     return get
 
 
-@pytest.mark.parametrize("tree", ["wide", "deep", "chain"])
+@pytest.mark.parametrize("tree", ["wide", "deep", "chain", "adaptive"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
     target, draft, prompts, references = cases(family)
@@ -63,7 +63,7 @@ def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
     assert len(out.accept_lengths) == len(prompts)
     assert all(sum(lengths) == NEW - 1 for lengths in out.accept_lengths)
     assert all(len(sizes) == len(lengths) for sizes, lengths in zip(out.tree_sizes, out.accept_lengths))
-    if tree != "chain":
+    if tree not in ("chain", "adaptive"):  # (the cost model may rightly decline a random draft's trees)
         assert any(length > 1 for lengths in out.accept_lengths for length in lengths)  # real trees were accepted
 
 

@@ -17,7 +17,7 @@ never computes).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,11 +25,12 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
+from eagle3_hf.generation.batched_cost import BatchCostModel
 from eagle3_hf.generation.batched_draft import BatchDraftState, build_greedy_trees, flush_rows
 from eagle3_hf.generation.batched_sampling import build_sampled_trees
 from eagle3_hf.generation.batched_target import TargetColumns, keep_paths, pad_trees, verify_mask
 from eagle3_hf.generation.drafting import TreeBudget
-from eagle3_hf.generation.steps import _process_tree_scores
+from eagle3_hf.generation.steps import _process_tree_scores, _prune
 from eagle3_hf.generation.tree import DraftTree
 from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
 from eagle3_hf.modeling._compat import cache_kwargs
@@ -40,6 +41,16 @@ __all__ = ["BatchRun", "batched_decoding"]
 # Compact the caches when holes outnumber a row's tokens by this much and there are at least this many columns.
 COMPACT_RATIO = 1.0
 COMPACT_MIN_COLUMNS = 32
+
+
+@dataclass
+class BatchPlan:
+    """What `draft_trees` decided this cycle: a tree per active row (root-only trees: a plain batched step)."""
+
+    trees: list[DraftTree] | None = None
+    predicted: float = 0.0  # accepted tokens the draft's probabilities predict, over the rows
+    consulted: bool = False
+    seconds: float = 0.0
 
 
 @dataclass
@@ -61,7 +72,9 @@ class BatchRun:
     max_length: int
     do_sample: bool = False
     temperature: float = 1.0
+    adaptive_tree: bool = True
     streamer: Any = None
+    cost: BatchCostModel = field(default_factory=BatchCostModel)
     stop_lengths: list[int | None] = field(default_factory=list)  # a row's length when a criterion fired
     active: list[int] = field(default_factory=list)
     columns: TargetColumns | None = None
@@ -93,6 +106,7 @@ def batched_decoding(
     cache: DynamicCache,
     attention_mask: torch.Tensor | None,
     streamer: Any = None,
+    adaptive_tree: bool = True,
 ) -> BatchRun:
     """Decode a left-padded batch; returns the finished `BatchRun` (`sequences(run)` gives the output ids)."""
     rows, length = input_ids.shape
@@ -122,6 +136,7 @@ def batched_decoding(
         lengths=[length] * rows, pad_token_id=None if pad is None else int(pad), pad_finished=has_eos,
         max_length=max_length, do_sample=do_sample,
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0, streamer=streamer,
+        adaptive_tree=adaptive_tree, cost=BatchCostModel.for_batch(model.device.type, model.dtype),
         stop_lengths=[None] * rows, active=list(range(rows)), streamed=length,
         accept_lengths=[[] for _ in range(rows)], tree_sizes=[[] for _ in range(rows)],
     )  # fmt: skip
@@ -129,13 +144,15 @@ def batched_decoding(
     retire_rows(run)
     while run.active:
         start = run.cache.get_seq_length()
-        trees = draft_trees(run)
+        plan = draft_trees(run)
         t0 = time.perf_counter()
-        raw, features = verify(run, trees)
-        results, processed = accept(run, trees, raw)
-        new_tokens = update_caches_and_features(run, trees, results, features, start)
-        run.verify_time += time.perf_counter() - t0
-        emit(run, new_tokens, trees)
+        raw, features = verify(run, plan.trees)
+        results = accept(run, plan.trees, raw)
+        new_tokens = update_caches_and_features(run, plan.trees, results, features, start)
+        verify_s = time.perf_counter() - t0
+        run.verify_time += verify_s
+        record_cycle(run, plan, results, verify_s)
+        emit(run, new_tokens, plan.trees)
         retire_rows(run)
     stream(run, final=True)
     return run
@@ -174,17 +191,65 @@ def prefill(run: BatchRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
     emit(run, [[int(token)] for token in first.tolist()], None)
 
 
-def draft_trees(run: BatchRun) -> list[DraftTree]:
-    """Every active row's tree, drafted together (one draft forward per level)."""
+def draft_trees(run: BatchRun) -> BatchPlan:
+    """Every active row's tree, drafted together (one draft forward per level) -- or root-only trees (a plain
+    batched step) when the cost model says speculation does not pay this cycle."""
+    cost, state, rows = run.cost, run.state, len(run.active)
+    cost.rows = rows
     t0 = time.perf_counter()
-    flush_rows(run.draft, run.state)
     roots = torch.tensor([run.out[row, run.lengths[row] - 1] for row in run.active], device=run.device)
-    if run.do_sample:
-        trees = build_sampled_trees(run.draft, run.state, roots, run.budget, run.temperature)
-    else:
-        trees = build_greedy_trees(run.draft, run.state, roots, run.budget)
-    run.draft_time += time.perf_counter() - t0
-    return trees
+    plan = BatchPlan(consulted=not run.adaptive_tree or cost.consult_draft())
+    if plan.consulted:
+        flush_rows(run.draft, state)  # the verified pairs since the last consultation; not a draft step
+        t_tree, calls_before = time.perf_counter(), state.forward_calls
+        probs = torch.softmax(state.last_logits.float() / run.temperature, dim=-1)
+        top = probs.topk(min(run.budget.top_k, probs.shape[-1]), dim=-1).values  # [A, k]
+        if not run.adaptive_tree or cost.worth_drafting(top):
+            if run.do_sample:
+                grow = (lambda best, nodes: cost.worth_deeper(best * rows, nodes)) if run.adaptive_tree else None
+                plan.trees = build_sampled_trees(run.draft, state, roots, replace(run.budget, grow=grow),
+                                                 run.temperature)  # fmt: skip
+            else:
+                grow = cost.worth_deeper if run.adaptive_tree else None
+                plan.trees = build_greedy_trees(run.draft, state, roots, replace(run.budget, grow=grow))
+                _size_greedy(run, plan, t0)
+        if state.forward_calls > calls_before:
+            cost.draft_step.observe(rows, (time.perf_counter() - t_tree) / (state.forward_calls - calls_before))
+    if plan.trees is not None and plan.predicted == 0.0:
+        plan.predicted = sum(float(tree.scores[1:].exp().sum()) for tree in plan.trees)
+    if plan.trees is None:
+        plan.trees = [DraftTree.from_parents(tokens=roots[i : i + 1], parents=torch.tensor([-1], device=run.device),
+                                             scores=torch.zeros(1, device=run.device)) for i in range(rows)]  # fmt: skip
+    plan.seconds = time.perf_counter() - t0
+    run.draft_time += plan.seconds
+    return plan
+
+
+def _size_greedy(run: BatchRun, plan: BatchPlan, t0: float) -> None:
+    """Let the cost model choose how many of each row's best nodes to verify (the same count for every row)."""
+    if not run.adaptive_tree:
+        return
+    ordered = []
+    for tree in plan.trees:
+        scores = tree.scores[1:]
+        ordered.append(scores[torch.argsort(-scores, stable=True)].exp())
+    n, plan.predicted = run.cost.choose_size(torch.stack(ordered), time.perf_counter() - t0)
+    plan.trees = None if n == 0 else [_prune(tree, n) for tree in plan.trees]
+
+
+def record_cycle(run: BatchRun, plan: BatchPlan, results: list[AcceptResult], verify_s: float) -> None:
+    """What the cost model learns from the cycle: the verify cost of its width, the draft's calibration, and
+    whether consulting the draft gained tokens over plain batched steps in the same time."""
+    cost, rows = run.cost, len(plan.trees)
+    width = max(tree.num_nodes for tree in plan.trees)
+    cost.rows = rows
+    cost.verify.observe(rows * width, verify_s)
+    accepted = sum(len(result.path) - 1 for result in results)
+    if width > 1:
+        cost.record_cycle(plan.predicted, accepted)
+    if plan.consulted and run.adaptive_tree:
+        spent = plan.seconds + (verify_s if width > 1 else 0.0)
+        cost.after_consultation((accepted + rows if width > 1 else 0) - spent * cost.plain_rate())
 
 
 def verify(run: BatchRun, trees: list[DraftTree]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,19 +265,18 @@ def verify(run: BatchRun, trees: list[DraftTree]) -> tuple[torch.Tensor, torch.T
     return out.logits.float(), select_target_features(out.hidden_states, run.layer_ids)
 
 
-def accept(run: BatchRun, trees: list[DraftTree], raw: torch.Tensor) -> tuple[list[AcceptResult], list[torch.Tensor]]:
+def accept(run: BatchRun, trees: list[DraftTree], raw: torch.Tensor) -> list[AcceptResult]:
     """Each row's longest valid path and bonus token, its logits processed along each node's own path."""
-    results, processed = [], []
+    results = []
     for i, (row, tree) in enumerate(zip(run.active, trees)):
         prefix = run.out[row : row + 1, : run.lengths[row]]
         scores = _process_tree_scores(run.logits_processor, prefix, tree, raw[i, : tree.num_nodes].clone())
-        processed.append(scores)
         if run.do_sample:
             draft_probs = tree.draft_probs if tree.draft_probs is not None else torch.zeros_like(scores)
             results.append(sample_accept(tree.tokens, tree.parents, torch.softmax(scores, dim=-1), draft_probs))
         else:
             results.append(greedy_accept(tree.tokens, tree.parents, scores.argmax(dim=-1)))
-    return results, processed
+    return results
 
 
 def update_caches_and_features(

@@ -202,7 +202,8 @@ def build_greedy_trees(
     cos, sin = draft.rotary_emb(frontier_hidden, state.positions[:, None] + steps[None])  # every level at once
     flat_count, fed = k0, 0
     for level in range(1, budget.depth):
-        if budget.grow is not None and not budget.grow(frontier_scores.max().exp().item(), flat_count):
+        # the batch cost model weighs a level by every row's best frontier node together
+        if budget.grow is not None and not budget.grow(frontier_scores.max(dim=1).values.exp().sum().item(), flat_count):
             break
         kf = frontier.shape[1]
         eye = torch.eye(kf, dtype=torch.bool, device=device).expand(rows, kf, kf)

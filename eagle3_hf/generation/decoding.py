@@ -295,7 +295,7 @@ def eagle3_decoding(
     if input_ids.shape[0] > 1:
         return _decode_batch(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
                              cache, model_kwargs.get("attention_mask"), eagle3_streamer, context_lookup,
-                             exact_verify)  # fmt: skip
+                             exact_verify, adaptive_tree)  # fmt: skip
     start = _left_padding(input_ids, model_kwargs.get("attention_mask"))
     lookup = None
     if context_lookup:
@@ -348,6 +348,7 @@ def _decode_batch(
     model: PreTrainedModel, draft: Eagle3DraftModel | None, input_ids: torch.Tensor, logits_processor: Any,
     stopping_criteria: Any, generation_config: GenerationConfig, budget: TreeBudget, cache: Any,
     attention_mask: torch.Tensor | None, streamer: Any, context_lookup: bool, exact_verify: bool | None,
+    adaptive_tree: bool,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
     """A batch of B > 1 prompts (batched.py), after refusing what that loop does not do yet."""
     rows = input_ids.shape[0]
@@ -368,7 +369,7 @@ def _decode_batch(
             "scores finished rows' padding steps, which batched tree decoding never runs)."
         )
     run = batched_decoding(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
-                           cache, attention_mask, streamer)  # fmt: skip
+                           cache, attention_mask, streamer, adaptive_tree)  # fmt: skip
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:
