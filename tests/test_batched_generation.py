@@ -13,6 +13,7 @@ from transformers import TextStreamer
 from test_sampling import CHI2_CRITICAL_0001, N, chi_square, exact_law_of_tokens_2_and_3
 from test_sampling import TREES as SAMPLED_TREES, V as SV, models  # noqa: F401 (models: the sampling fixture)
 from test_generation import FAMILIES, NEW, TREES, V, eagle, first_new_token_at, letter_tokenizer, make_pair, plain
+from test_generation import smollm2  # noqa: F401 (the SmolLM2 fixture)
 from eagle3_hf.generation import batched
 
 LENGTHS = (3, 7, 12, 20)
@@ -245,3 +246,31 @@ def test_batched_sampling_follows_each_rows_target_law(models, tree):
         assert stat < chi_square_critical_0001(dof), f"row {row}: chi2 {stat:.1f} at {dof} dof"
         one_cycle = sum(c[row] == 1 for c in cycles)  # a drafted token accepted in the first cycle, or not
         assert 0.05 * N < one_cycle < 0.95 * N
+
+
+# ------------------------------------------------------------------------------------------------
+# the real target
+
+
+@pytest.mark.slow
+def test_smollm2_batch_greedy_matches_each_rows_plain_greedy(smollm2):
+    """SmolLM2-135M-Instruct (fp32) with its shipped draft, three chat prompts of different lengths, one batch."""
+    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.targets import SMOLLM2
+
+    target, _, tokenizer = smollm2
+    draft = load_draft_for(SMOLLM2, target)
+    questions = ["Name three colours.", "Write a short poem about the sea and the wind, in four lines.",
+                 "What is 12 times 7? Explain the steps."]  # fmt: skip
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
+    ids, mask = left_padded(prompts, pad=tokenizer.pad_token_id or 0)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=32,
+                          pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, adaptive_tree=False,
+                          tree_depth=4, tree_top_k=4, tree_total_tokens=12)  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        alone = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32)
+        mine = unpadded(out.sequences, mask, row)
+        assert mine[: alone.shape[1]] == alone[0].tolist(), f"row {row}"
+        assert set(mine[alone.shape[1] :]) <= {tokenizer.pad_token_id}
+    assert sum(length - 1 for lengths in out.accept_lengths for length in lengths) > 0

@@ -80,6 +80,9 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
         accept_sources: per cycle, `(draft, lookup, both)`: how many of its accepted tree tokens (the bonus token
             excluded) the draft proposed, the context lookup proposed, or both did.
         accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
+
+    For a batch of B > 1 prompts, `accept_lengths` and `tree_sizes` hold one list per row (the cycles that row took
+    part in), the times are the batch's, and the lookup statistics and the cache are not given.
     """
 
     accept_lengths: list[int] | None = None
