@@ -135,15 +135,24 @@ def test_stop_strings_without_eos_let_finished_rows_run_on(cases, tree):
         expected.tolist()  # fmt: skip
 
 
-def test_compacting_the_caches_every_cycle_changes_nothing(cases, monkeypatch):
+def test_compacting_the_caches_changes_nothing(cases, monkeypatch):
+    """With compaction as eager as it gets (whenever a column no row needs exists), rows leaving the batch included."""
     target, draft, prompts, references = cases("gemma3")
     monkeypatch.setattr(batched, "COMPACT_RATIO", 0.0)
     monkeypatch.setattr(batched, "COMPACT_MIN_COLUMNS", 1)
+    compactions = []
+    original = batched.TargetColumns.compact
+    draft_original = batched.BatchDraftState.compact
+    monkeypatch.setattr(batched.TargetColumns, "compact",
+                        lambda self, cache: compactions.append("target") or original(self, cache))
+    monkeypatch.setattr(batched.BatchDraftState, "compact", lambda self: compactions.append("draft") or draft_original(self))
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                          **TREES["deep"])  # fmt: skip
-    for row, reference in enumerate(references):
-        assert unpadded(out, mask, row) == reference[0].tolist()
+    k, eos = first_new_token_at(references[3], prompts[3].shape[1], start=3)  # the longest row stops early
+    options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES["deep"])
+    assert {"target", "draft"} <= set(compactions)
+    assert out.tolist() == expected.tolist()
 
 
 class Collector:
@@ -274,3 +283,21 @@ def test_smollm2_batch_greedy_matches_each_rows_plain_greedy(smollm2):
         assert mine[: alone.shape[1]] == alone[0].tolist(), f"row {row}"
         assert set(mine[alone.shape[1] :]) <= {tokenizer.pad_token_id}
     assert sum(length - 1 for lengths in out.accept_lengths for length in lengths) > 0
+
+
+def test_where_trees_do_not_pay_the_batch_runs_plain_batched_steps(cases, monkeypatch):
+    """A cost model that finds every verified token dear declines every tree: plain batched steps, same output."""
+    from eagle3_hf.generation.batched_cost import BatchCostModel
+    from eagle3_hf.generation.cost_model import LinearCost
+
+    def dear(device_type, dtype):
+        return BatchCostModel(verify=LinearCost(prior_a=1.0, prior_b=100.0))
+
+    monkeypatch.setattr(BatchCostModel, "for_batch", staticmethod(dear))
+    target, draft, prompts, references = cases("qwen2")
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert all(size == 1 for sizes in out.tree_sizes for size in sizes)
+    for row, reference in enumerate(references):
+        assert unpadded(out.sequences, mask, row) == reference[0].tolist()

@@ -36,11 +36,12 @@ from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sampl
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
 
-__all__ = ["BatchRun", "batched_decoding"]
+__all__ = ["BatchRun", "batched_decoding", "refuse_unsupported", "sequences"]
 
-# Compact the caches when holes outnumber a row's tokens by this much and there are at least this many columns.
-COMPACT_RATIO = 1.0
-COMPACT_MIN_COLUMNS = 32
+# Compact the caches when the columns compaction would drop number at least this many, and this fraction of the
+# longest row's tokens (see `_worth_compacting`).
+COMPACT_RATIO = 0.25
+COMPACT_MIN_COLUMNS = 16
 
 
 @dataclass
@@ -93,6 +94,27 @@ class BatchRun:
     @property
     def batch_size(self) -> int:
         return self.out.shape[0]
+
+
+def refuse_unsupported(rows: int, draft: Eagle3DraftModel | None, context_lookup: bool, exact_verify: bool | None,
+                       generation_config: GenerationConfig) -> None:  # fmt: skip
+    """A clear ValueError for what the batched loop does not do (yet)."""
+    if draft is None or context_lookup:
+        raise ValueError(
+            f"The context lookup (ContextLookup, context_lookup=True) decodes one prompt at a time; got a batch of "
+            f"{rows}. Generate the prompts one at a time, or use an Eagle3DraftModel without context_lookup."
+        )
+    if exact_verify:
+        raise ValueError(
+            f"Row-exact verification (exact_verify=True) supports batch size 1; got a batch of {rows}. Batches verify "
+            "in one tree-masked call (exact_verify=False, the batch default): greedy bf16 output then equals plain "
+            "decoding up to near-ties."
+        )
+    if generation_config.output_scores or generation_config.output_logits:
+        raise ValueError(
+            f"output_scores / output_logits with EAGLE-3 need batch size 1; got a batch of {rows} (plain generate() "
+            "scores finished rows' padding steps, which batched tree decoding never runs)."
+        )
 
 
 def batched_decoding(
@@ -320,7 +342,7 @@ def emit(run: BatchRun, new_tokens: list[list[int]], trees: list[DraftTree] | No
 
 def retire_rows(run: BatchRun) -> None:
     """Drop the rows that need no more tokens from the batch (caches and draft state included); compact the caches
-    when holes pile up."""
+    when the columns no row needs pile up."""
     stopped = [length for length in run.stop_lengths if length is not None]
     limit = max(stopped) if len(stopped) == run.batch_size else run.max_length
 
@@ -339,14 +361,18 @@ def retire_rows(run: BatchRun) -> None:
     run.active = [run.active[i] for i in keep]
     if not run.active:
         return
-    columns = run.columns
-    width = columns.valid.shape[1]
-    if width >= COMPACT_MIN_COLUMNS and columns.holes > COMPACT_RATIO * int(columns.valid.sum(dim=1).max()):
-        columns.compact(run.cache)
-    state = run.state
-    if state.kv is not None and state.valid.shape[1] >= COMPACT_MIN_COLUMNS:
-        if int((~state.valid).sum()) > COMPACT_RATIO * int(state.valid.sum(dim=1).max()):
-            state.compact()
+    if _worth_compacting(run.columns.valid):
+        run.columns.compact(run.cache)
+    if run.state.kv is not None and _worth_compacting(run.state.valid):
+        run.state.compact()
+
+
+def _worth_compacting(valid: torch.Tensor) -> bool:
+    """Compaction can drop only the columns beyond the longest row (the rest are some row's tokens); it pays when
+    there are many of them, next to what each forward attends to anyway."""
+    longest = int(valid.sum(dim=1).max())
+    removable = valid.shape[1] - longest
+    return removable >= COMPACT_MIN_COLUMNS and removable > COMPACT_RATIO * longest
 
 
 def stream(run: BatchRun, final: bool = False) -> None:

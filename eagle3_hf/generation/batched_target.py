@@ -5,7 +5,7 @@ verifies every row's tree in one forward, which appends the `T` (padded) tree no
 then `keep_paths` keeps, per row, its accepted path at the start of that block and marks the rest as holes. A hole
 -- left padding, a rejected node, a dummy node of a shorter tree -- is masked out of every later attention, exactly
 as generate() masks left padding, and positions are carried per column, so sliding windows see true distances.
-`compact` moves each row's valid columns together when holes pile up.
+`compact` moves each row's valid columns together, dropping the columns no row needs, when those pile up.
 
 Shapes: A active rows, S cache columns, T tree nodes per row (the largest tree; shorter ones get dummy nodes that
 attend only to themselves and whose outputs are ignored).
@@ -37,10 +37,6 @@ class TargetColumns:
         valid = attention_mask.bool()
         positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         return cls(valid=valid, positions=positions, next_position=valid.sum(dim=1))
-
-    @property
-    def holes(self) -> int:
-        return int((~self.valid).sum())
 
     def select_rows(self, cache: DynamicCache, rows: torch.Tensor) -> None:
         for layer in _layers(cache):

@@ -36,7 +36,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from eagle3_hf.generation.batched import batched_decoding
+from eagle3_hf.generation.batched import batched_decoding, refuse_unsupported
 from eagle3_hf.generation.batched import sequences as batched_sequences
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
@@ -294,12 +294,13 @@ def eagle3_decoding(
         )
     do_sample = bool(generation_config.do_sample)
     return_dict = bool(generation_config.return_dict_in_generate)
-    cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     if input_ids.shape[0] > 1:
+        cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
         return _decode_batch(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
                              cache, model_kwargs.get("attention_mask"), eagle3_streamer, context_lookup,
                              exact_verify, adaptive_tree)  # fmt: skip
     start = _left_padding(input_ids, model_kwargs.get("attention_mask"))
+    cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     lookup = None
     if context_lookup:
         lookup = LookupState(options=LookupOptions(
@@ -354,23 +355,7 @@ def _decode_batch(
     adaptive_tree: bool,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
     """A batch of B > 1 prompts (batched.py), after refusing what that loop does not do yet."""
-    rows = input_ids.shape[0]
-    if draft is None or context_lookup:
-        raise ValueError(
-            f"The context lookup (ContextLookup, context_lookup=True) decodes one prompt at a time; got a batch of "
-            f"{rows}. Generate the prompts one at a time, or use an Eagle3DraftModel without context_lookup."
-        )
-    if exact_verify:
-        raise ValueError(
-            f"Row-exact verification (exact_verify=True) supports batch size 1; got a batch of {rows}. Batches verify "
-            "in one tree-masked call (exact_verify=False, the batch default): greedy bf16 output then equals plain "
-            "decoding up to near-ties."
-        )
-    if generation_config.output_scores or generation_config.output_logits:
-        raise ValueError(
-            f"output_scores / output_logits with EAGLE-3 need batch size 1; got a batch of {rows} (plain generate() "
-            "scores finished rows' padding steps, which batched tree decoding never runs)."
-        )
+    refuse_unsupported(input_ids.shape[0], draft, context_lookup, exact_verify, generation_config)
     run = batched_decoding(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
                            cache, attention_mask, streamer, adaptive_tree)  # fmt: skip
     if streamer is not None:
