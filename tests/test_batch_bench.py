@@ -44,3 +44,14 @@ def test_tiny_batched_benchmark_compares_rows_with_plain():
 def test_bench_refuses_bad_batch_sizes(capsys, value):
     code, _, err = run(capsys, "bench", "--batch-size", value)
     assert_clean_error(code, err, "--batch-size takes comma-separated sizes >= 1")
+
+
+def test_the_readme_batch_table_is_the_reports_own():
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    path = "scripts/research/results/bench_batch_smollm2_bf16.json"
+    table = format_batch_table(json.loads((root / path).read_text(encoding="utf-8")))
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert table in readme and f"({path})" in readme
