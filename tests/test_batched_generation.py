@@ -80,6 +80,18 @@ def test_batched_greedy_matches_batch_one_eagle(cases):
         assert one.accept_lengths == out.accept_lengths[row]
 
 
+@pytest.mark.parametrize("processor", [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2),
+                                       dict(min_new_tokens=10, eos_token_id=3, pad_token_id=V - 1)])  # fmt: skip
+def test_input_dependent_processors_see_each_rows_own_paths(cases, processor):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **processor)
+    for tree in ("wide", "deep"):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                              **processor, **TREES[tree])  # fmt: skip
+        assert out.tolist() == expected.tolist(), tree
+
+
 def test_left_padding_never_reaches_the_models(cases):
     """Other padding ids and more padding columns change nothing."""
     target, draft, prompts, _ = cases("mistral")
@@ -145,7 +157,8 @@ def test_compacting_the_caches_changes_nothing(cases, monkeypatch):
     draft_original = batched.BatchDraftState.compact
     monkeypatch.setattr(batched.TargetColumns, "compact",
                         lambda self, cache: compactions.append("target") or original(self, cache))
-    monkeypatch.setattr(batched.BatchDraftState, "compact", lambda self: compactions.append("draft") or draft_original(self))
+    monkeypatch.setattr(batched.BatchDraftState, "compact",
+                        lambda self: compactions.append("draft") or draft_original(self))
     ids, mask = left_padded(prompts)
     k, eos = first_new_token_at(references[3], prompts[3].shape[1], start=3)  # the longest row stops early
     options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)

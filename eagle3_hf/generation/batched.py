@@ -28,9 +28,9 @@ from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 from eagle3_hf.generation.batched_cost import BatchCostModel
 from eagle3_hf.generation.batched_draft import BatchDraftState, build_greedy_trees, flush_rows
 from eagle3_hf.generation.batched_sampling import build_sampled_trees
-from eagle3_hf.generation.batched_target import TargetColumns, keep_paths, pad_trees, verify_mask
+from eagle3_hf.generation.batched_target import TargetColumns, keep_paths, pad_trees, processed_nodes, verify_mask
 from eagle3_hf.generation.drafting import TreeBudget
-from eagle3_hf.generation.steps import _process_tree_scores, _prune
+from eagle3_hf.generation.steps import _prune
 from eagle3_hf.generation.tree import DraftTree
 from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
 from eagle3_hf.modeling._compat import cache_kwargs
@@ -240,8 +240,8 @@ def draft_trees(run: BatchRun) -> BatchPlan:
     if plan.trees is not None and plan.predicted == 0.0:
         plan.predicted = sum(float(tree.scores[1:].exp().sum()) for tree in plan.trees)
     if plan.trees is None:
-        plan.trees = [DraftTree.from_parents(tokens=roots[i : i + 1], parents=torch.tensor([-1], device=run.device),
-                                             scores=torch.zeros(1, device=run.device)) for i in range(rows)]  # fmt: skip
+        root_only = dict(parents=torch.tensor([-1], device=run.device), scores=torch.zeros(1, device=run.device))
+        plan.trees = [DraftTree.from_parents(tokens=roots[i : i + 1], **root_only) for i in range(rows)]
     plan.seconds = time.perf_counter() - t0
     run.draft_time += plan.seconds
     return plan
@@ -292,7 +292,7 @@ def accept(run: BatchRun, trees: list[DraftTree], raw: torch.Tensor) -> list[Acc
     results = []
     for i, (row, tree) in enumerate(zip(run.active, trees)):
         prefix = run.out[row : row + 1, : run.lengths[row]]
-        scores = _process_tree_scores(run.logits_processor, prefix, tree, raw[i, : tree.num_nodes].clone())
+        scores = processed_nodes(run.logits_processor, prefix, tree, raw[i, : tree.num_nodes], row, run.batch_size)
         if run.do_sample:
             draft_probs = tree.draft_probs if tree.draft_probs is not None else torch.zeros_like(scores)
             results.append(sample_accept(tree.tokens, tree.parents, torch.softmax(scores, dim=-1), draft_probs))

@@ -203,7 +203,8 @@ def build_greedy_trees(
     flat_count, fed = k0, 0
     for level in range(1, budget.depth):
         # the batch cost model weighs a level by every row's best frontier node together
-        if budget.grow is not None and not budget.grow(frontier_scores.max(dim=1).values.exp().sum().item(), flat_count):
+        best = frontier_scores.max(dim=1).values.exp().sum().item()
+        if budget.grow is not None and not budget.grow(best, flat_count):
             break
         kf = frontier.shape[1]
         eye = torch.eye(kf, dtype=torch.bool, device=device).expand(rows, kf, kf)
@@ -213,7 +214,8 @@ def build_greedy_trees(
         normed, feedback = batched_draft_forward(
             draft, state.kv, draft.draft_to_target_ids(frontier_ids), frontier_hidden,
             (state.positions + level - 1)[:, None].expand(rows, kf), prefix + fed,
-            additive_mask(allowed, frontier_hidden.dtype), rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
+            additive_mask(allowed, frontier_hidden.dtype),
+            rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
         )  # fmt: skip
         fed += kf
         child_ids, child_logp = top_children(draft.lm_head(normed), k)  # [A, kf, k] each

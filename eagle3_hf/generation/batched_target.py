@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.generation import LogitsProcessorList
 
 from eagle3_hf.generation.tree import DraftTree, tree_attention_mask
 
-__all__ = ["PaddedTrees", "TargetColumns", "keep_paths", "pad_trees", "verify_mask"]
+__all__ = ["PaddedTrees", "TargetColumns", "keep_paths", "pad_trees", "processed_nodes", "verify_mask"]
 
 
 @dataclass
@@ -41,7 +42,8 @@ class TargetColumns:
     def select_rows(self, cache: DynamicCache, rows: torch.Tensor) -> None:
         for layer in _layers(cache):
             layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        self.valid, self.positions, self.next_position = self.valid[rows], self.positions[rows], self.next_position[rows]
+        self.valid, self.positions = self.valid[rows], self.positions[rows]
+        self.next_position = self.next_position[rows]
 
     def compact(self, cache: DynamicCache) -> None:
         """Per row, its valid columns in order, right-aligned after the fewest holes any row needs."""
@@ -87,7 +89,8 @@ def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, 
     window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)
     if window and layer_types and "sliding_attention" in layer_types:
-        return {"full_attention": _mask(columns, trees, dtype), "sliding_attention": _mask(columns, trees, dtype, window)}
+        sliding = _mask(columns, trees, dtype, window)
+        return {"full_attention": _mask(columns, trees, dtype), "sliding_attention": sliding}
     if window and not layer_types and getattr(text, "use_sliding_window", True):
         return _mask(columns, trees, dtype, window)
     return _mask(columns, trees, dtype)
@@ -133,6 +136,32 @@ def keep_paths(
     columns.positions = torch.cat([columns.positions, columns.next_position[:, None] + steps[None]], dim=1)
     columns.next_position = columns.next_position + keep.sum(dim=1)
     return index, keep
+
+
+def processed_nodes(
+    processors: LogitsProcessorList, prefix: torch.Tensor, tree: DraftTree, logits: torch.Tensor, row: int,
+    batch_size: int,
+) -> torch.Tensor:
+    """Every node's fp32 logits `[T, V]` after the processors, each given its own path as input_ids (`prefix`
+    `[1, L]` ends with the root), as plain decoding would process batch row `row` at that point of the sequence.
+
+    generate() builds some processors with per-row state (repetition penalty: each row's padding length), so each
+    call gets the whole batch's shape, the row repeated, and keeps row `row` of the result."""
+    logits = logits.float()
+    if len(processors) == 0:
+        return logits
+    parents = tree.parents.tolist()
+    paths: list[list[int]] = [[]]  # the nodes below the root on each node's path
+    for node in range(1, len(parents)):
+        paths.append(paths[parents[node]] + [node])
+    rows = []
+    for node, path in enumerate(paths):
+        ids = prefix
+        if path:
+            ids = torch.cat([prefix, tree.tokens[torch.tensor(path, device=prefix.device)][None].to(prefix.dtype)], 1)
+        scores = logits[node : node + 1].expand(batch_size, -1).clone()
+        rows.append(processors(ids.expand(batch_size, -1), scores)[row])
+    return torch.stack(rows)
 
 
 def _layers(cache: DynamicCache) -> list[Any]:
