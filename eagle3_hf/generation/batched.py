@@ -177,6 +177,8 @@ def batched_decoding(
         emit(run, new_tokens, plan.trees)
         retire_rows(run)
     stream(run, final=True)
+    if run.streamer is not None:
+        run.streamer.end()
     return run
 
 

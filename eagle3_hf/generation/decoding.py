@@ -36,8 +36,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from eagle3_hf.generation.batched import batched_decoding, refuse_unsupported
-from eagle3_hf.generation.batched import sequences as batched_sequences
+from eagle3_hf.generation.batched import batched_decoding, refuse_unsupported, sequences as batched_sequences
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
 from eagle3_hf.generation.exact_attention import exact_verification
@@ -81,8 +80,8 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
             excluded) the draft proposed, the context lookup proposed, or both did.
         accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
 
-    For a batch of B > 1 prompts, `accept_lengths` and `tree_sizes` hold one list per row (the cycles that row took
-    part in), the times are the batch's, and the lookup statistics and the cache are not given.
+    A batch of B > 1 prompts gives `accept_lengths` and `tree_sizes` per row (a list each), the batch's times, no
+    lookup statistics and no cache.
     """
 
     accept_lengths: list[int] | None = None
@@ -358,8 +357,6 @@ def _decode_batch(
     refuse_unsupported(input_ids.shape[0], draft, context_lookup, exact_verify, generation_config)
     run = batched_decoding(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
                            cache, attention_mask, streamer, adaptive_tree)  # fmt: skip
-    if streamer is not None:
-        streamer.end()
     if not generation_config.return_dict_in_generate:
         return batched_sequences(run)
     return Eagle3GenerateOutput(
