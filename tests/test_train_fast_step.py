@@ -155,3 +155,26 @@ def test_head_cross_entropy_rejects_bad_shapes():
     with pytest.raises(ValueError, match="head or a fused_head"):
         ttt_loss([rows[None]], torch.randn(1, 4, V), torch.ones(1, 4), torch.ones(V, dtype=torch.bool),
                  head=functools.partial(torch.matmul), fused_head=lambda *a: a)  # fmt: skip
+
+
+def test_the_train_command_keeps_freed_memory_on_glibc():
+    """`eagle3-hf train` raises glibc's mmap and trim thresholds (the change is process-wide, so only the command
+    makes it); other C libraries are left alone."""
+    import platform
+
+    from eagle3_hf.commands.allocator import keep_freed_memory
+
+    assert keep_freed_memory() is (platform.libc_ver()[0] == "glibc")
+
+
+def test_the_blocked_row_maximum_is_torch_max():
+    from eagle3_hf.training.head_loss import _row_max
+
+    torch.manual_seed(3)
+    z = torch.randn(5, 384).round(decimals=1)  # many equal values: the first index must win, as in torch.max
+    z[2, 300] = z[2, 10] = 9.0
+    for block in (z, z[:, :100]):  # 128-wide blocks, and the plain fallback
+        top, index = _row_max(block)
+        expected = block.max(-1)
+        assert torch.equal(top, expected.values) and torch.equal(index, expected.indices)
+    assert int(_row_max(z)[1][2]) == 10

@@ -28,6 +28,21 @@ __all__ = ["fused_head_applies", "head_cross_entropy"]
 DEFAULT_CHUNK_ROWS = 256
 
 
+_BLOCK = 128
+
+
+def _row_max(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z.max(-1)`` of a ``[c, V]`` block (the first index among equal maxima), in about a third of its time: the
+    maxima of 128-wide blocks (`amax`, a vectorised pass without indices), then the index inside the winning block."""
+    rows, width = z.shape
+    if width % _BLOCK or rows == 0:
+        return z.max(-1)
+    blocks = z.view(rows, width // _BLOCK, _BLOCK)
+    top, block = blocks.amax(-1).max(-1)  # [c] x2
+    within = blocks[torch.arange(rows, device=z.device), block].argmax(-1)  # [c]
+    return top, block * _BLOCK + within
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -47,14 +62,21 @@ class _HeadCrossEntropy(torch.autograd.Function):
             row_loss = x.new_empty(count, dtype=wide)
             predicted = torch.empty(count, dtype=torch.long, device=x.device)
             grad_logits = x.new_empty(count, w.shape[0])  # [M, Vd] d row_loss / d logits, compute dtype
+            # Work blocks allocated once and reused by every chunk: fresh blocks of this size would come from mmap
+            # and cost page faults at every chunk.
+            logits = x.new_empty(min(chunk_rows, count), w.shape[0])  # [c, Vd] compute dtype
+            # oneDNN's bf16 matmul runs about twice as fast with both operands contiguous as with a transposed one.
+            w_t = w.T.contiguous()  # [H, Vd]
+            work = x.new_empty(logits.shape, dtype=wide)  # [c, Vd]
             for start in range(0, count, chunk_rows):
                 part = slice(start, start + chunk_rows)
-                z = x[part] @ w.T  # [c, Vd] in the compute dtype, as the head under autocast gives it
-                top, predicted[part] = z.max(-1)
-                shifted = z.to(wide) - top.to(wide)[:, None]  # [c, Vd]
-                e = shifted.exp_()
+                n = x[part].shape[0]
+                z = torch.mm(x[part], w_t, out=logits[:n])  # as the head under autocast gives it
+                e = work[:n].copy_(z)
+                top, predicted[part] = _row_max(e)
+                e.sub_(top[:, None]).exp_()  # exp(z - max)
                 total = e.sum(-1)  # [c]
-                lse = top.to(wide) + total.log()
+                lse = top + total.log()
                 weights = p[part]  # [c, k] (sparse, at `columns`) or [c, Vd] (dense)
                 mass = weights.sum(-1)  # [c], 1 for a softmax label
                 if columns is None:
@@ -67,7 +89,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                     e.sub_(weights)
                 else:
                     e.scatter_add_(1, columns[part], -weights)
-                grad_logits[part] = e
+                grad_logits[part].copy_(e)
         ctx.save_for_backward(x, w, grad_logits)
         ctx.dtypes = (rows.dtype, weight.dtype)
         ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
@@ -86,7 +108,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
             if ctx.needs[0]:
                 grad_rows = ((grad_logits @ w).to(scale.dtype) * scale).to(rows_dtype)  # [M, H]
             if ctx.needs[1]:
-                grad_weight = (grad_logits.T @ (x.to(scale.dtype) * scale).to(x.dtype)).to(weight_dtype)  # [Vd, H]
+                # [H, M] @ [M, Vd] with the small operand made contiguous (as for w_t), then transposed back.
+                scaled = (x.to(scale.dtype) * scale).to(x.dtype).T.contiguous()  # [H, M]
+                grad_weight = (scaled @ grad_logits).T.contiguous().to(weight_dtype)
         return grad_rows, grad_weight, None, None, None, None
 
 

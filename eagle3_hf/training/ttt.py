@@ -31,6 +31,8 @@ token over its FULL vocabulary, which is what acceptance measures.
 Cost: the head over a 16k-id draft vocabulary and its softmax are most of a step's work, and neither prompts nor
 out-of-vocabulary positions need them, so training runs the head inside the loss on the rows that carry loss
 (``ttt_forward(return_hidden=True)`` + ``ttt_loss(head=...)``), and top-k soft labels stay sparse (``[M, k]``).
+The trainer goes one step further (``ttt_loss(fused_head=...)``, `eagle3_hf.training.head_loss`): one call runs the
+head and the loss over every step's rows at once, with the same loss and gradients.
 """
 
 from __future__ import annotations
