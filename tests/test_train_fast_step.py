@@ -157,16 +157,6 @@ def test_head_cross_entropy_rejects_bad_shapes():
                  head=functools.partial(torch.matmul), fused_head=lambda *a: a)  # fmt: skip
 
 
-def test_the_train_command_keeps_freed_memory_on_glibc():
-    """`eagle3-hf train` raises glibc's mmap and trim thresholds (the change is process-wide, so only the command
-    makes it); other C libraries are left alone."""
-    import platform
-
-    from eagle3_hf.commands.allocator import keep_freed_memory
-
-    assert keep_freed_memory() is (platform.libc_ver()[0] == "glibc")
-
-
 def test_the_blocked_row_maximum_is_torch_max():
     from eagle3_hf.training.head_loss import _row_max
 

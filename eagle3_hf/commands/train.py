@@ -342,9 +342,6 @@ def run_cli(args: argparse.Namespace) -> int:
     checkpoint = args.resume_from_checkpoint
     if args.resume and checkpoint is None:
         checkpoint = resume_checkpoint(args)  # before anything is loaded: it may refuse
-    from eagle3_hf.commands.allocator import keep_freed_memory
-
-    keep_freed_memory()  # before the first large allocation
     import torch
     from transformers.trainer_utils import set_seed
 

@@ -46,17 +46,12 @@ class Clock:
         self._start = now
 
 
-def build_trainer(train_argv: list[str], keep_memory: bool = True):  # noqa: ANN201 - an Eagle3Trainer, imported late
-    """The trainer `eagle3-hf train` would build for `train_argv` (its data, target, draft and arguments), with the
-    allocator set as the command sets it (unless not `keep_memory`)."""
+def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, imported late
+    """The trainer `eagle3-hf train` would build for `train_argv` (its data, target, draft and arguments)."""
     from transformers.trainer_utils import set_seed
 
     from eagle3_hf.commands import train as train_command
 
-    if keep_memory and importlib.util.find_spec("eagle3_hf.commands.allocator") is not None:  # as the command
-        from eagle3_hf.commands.allocator import keep_freed_memory
-
-        keep_freed_memory()
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.trainer import Eagle3Trainer
 
@@ -157,10 +152,8 @@ def format_table(report: dict) -> str:
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options this script shares with `train_throughput`: the report file, the allocator, the train args."""
+    """The options this script shares with `train_throughput`: the report file and the train arguments."""
     parser.add_argument("--json", help="also write the report to this file")
-    parser.add_argument("--default-allocator", action="store_true",
-                        help="leave glibc's malloc thresholds as they are (the command raises them where it can)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `eagle3-hf train` arguments")
 
 
@@ -189,7 +182,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.batches < 1 or args.warmup < 0:
         parser.error(f"--batches must be >= 1 and --warmup >= 0, got {args.batches} and {args.warmup}.")
-    trainer = build_trainer(train_arguments(parser, args), not args.default_allocator)
+    trainer = build_trainer(train_arguments(parser, args))
     report = profile(trainer, args.batches, args.warmup, args.reference_head)
     print(format_table(report))
     write_report(args.json, report)

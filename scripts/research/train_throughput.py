@@ -12,7 +12,7 @@ the interpreter imports, so the same script measures two trees on the same data 
         --init-draft examples/data/lineage/smollm2-12075 --output work_data/throughput --ttt-length 7 \\
         --max-length 384 --batch-size 2 --gradient-accumulation-steps 2 --learning-rate 1e-4 --dtype bfloat16
 
-The report names the package's folder and its git commit (with ``+changes`` when its tree differs from it).
+The report names the package's git commit (with ``+changes`` when its package differs from it).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class Meter:
             self.timing = False
 
 
-def package_tree() -> dict[str, str]:
-    """The imported eagle3_hf's folder and the git commit of its checkout (``+changes`` if it has edits)."""
+def package_tree() -> str:
+    """The git commit of the imported eagle3_hf's checkout (``+changes`` if its package has edits)."""
     import eagle3_hf
 
     folder = os.path.dirname(os.path.dirname(os.path.abspath(eagle3_hf.__file__)))
@@ -64,16 +64,16 @@ def package_tree() -> dict[str, str]:
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     changed = git("status", "--porcelain", "--untracked-files=no", "--", "eagle3_hf")
-    return {"folder": folder, "commit": commit + ("+changes" if changed else "")}
+    return commit + ("+changes" if changed else "")
 
 
-def measure(train_argv: list[str], steps: int, warmup: int, keep_memory: bool = True) -> dict[str, Any]:
+def measure(train_argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
     import torch
     from transformers import TrainerCallback
 
     quiet = ["--max-steps", str(warmup + steps), "--save-strategy", "no", "--logging-steps", str(10**9),
              "--report-to", "none", "--disable-tqdm", "true"]  # fmt: skip
-    trainer = build_trainer(train_argv + quiet, keep_memory)  # the last occurrence of an option wins
+    trainer = build_trainer(train_argv + quiet)  # the last occurrence of an option wins
     meter = Meter(warmup, steps)
 
     class StepClock(TrainerCallback):
@@ -93,9 +93,8 @@ def measure(train_argv: list[str], steps: int, warmup: int, keep_memory: bool = 
         raise RuntimeError(f"Training stopped before step {warmup + steps}; nothing was timed.")
     hours = meter.cpu_s / 3600
     return {
-        "tree": package_tree(),
+        "commit": package_tree(),
         "threads": torch.get_num_threads(),
-        "allocator": "as the command sets it" if keep_memory else "glibc defaults",
         "steps": steps,
         "warmup_steps": warmup,
         "conversations": meter.conversations,
@@ -118,9 +117,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1:
         parser.error(f"--steps and --warmup must be >= 1, got {args.steps} and {args.warmup}.")
-    report = measure(train_arguments(parser, args), args.steps, args.warmup, not args.default_allocator)
+    report = measure(train_arguments(parser, args), args.steps, args.warmup)
     print(json.dumps(report, indent=2))
-    print(f"{report['tree']['commit']}: {report['conversations_per_cpu_hour']:,} conversations and "
+    print(f"{report['commit']}: {report['conversations_per_cpu_hour']:,} conversations and "
           f"{report['supervised_tokens_per_cpu_hour']:,} supervised tokens per CPU-hour "
           f"({report['threads']} thread(s), {args.steps} steps after {args.warmup}).", file=sys.stderr)  # fmt: skip
     write_report(args.json, report)
