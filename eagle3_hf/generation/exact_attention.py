@@ -34,6 +34,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
+
 __all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
 
 # Original implementations whose one-query calls this module can reproduce.
@@ -81,6 +83,7 @@ class ExactAttention:
     paths: torch.Tensor | None = None  # [T, max_depth + 1] each sorted node's path, padded by repeating the node
     layers: dict[int, _LayerKeys] = field(default_factory=dict)
     _calls: dict[Any, list[_Call]] = field(default_factory=dict)
+    timer: NullTimer = NO_TIMER  # the decoding call's (timing.py)
 
     def set_tree(self, parents: torch.Tensor, past: int) -> None:
         """Plan the next forward: the tree of `parents` `[T]` (`parents[i] < i`, root -1) behind `past` tokens."""
@@ -222,13 +225,20 @@ def exact_attention_forward(
         return inner(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"row-exact verification runs one sequence; got a batch of {query.shape[0]}")
+    timer = state.timer
+    mark = timer.now()
     layer = state.layer_keys(module.layer_idx, key, value, past + state.depths[-1] + 1)
+    timer.add("exact: prefix copies", mark)
+    mark = timer.now()
     tree_keys = key[0, :, past:].transpose(0, 1)  # [T, kv_heads, head_dim]
     tree_values = value[0, :, past:].transpose(0, 1)
     queries = query[0].transpose(0, 1)[state.order].unsqueeze(2)  # [T, heads, 1, head_dim], depth-sorted
     direct = state.implementation == "sdpa" and not kwargs.get("softcap") and not kwargs.get("output_attentions")
+    calls = state.calls(window, merge=direct)
+    timer.add("exact: path keys", mark)
     rows = []
-    for call in state.calls(window, merge=direct):
+    for call in calls:
+        mark = timer.now()
         n, width = call.stop - call.start, call.end - past
         # each node's row: the prefix, then its path (root .. node) at the positions its own step has them
         paths = state.paths[call.start : call.stop, :width]  # [n, width]
@@ -236,9 +246,11 @@ def exact_attention_forward(
         layer.values[:n, :, past : call.end] = tree_values[paths].transpose(1, 2)
         q = queries[call.start : call.stop]
         k, v = layer.keys[:n, :, call.begin : call.end], layer.values[:n, :, call.begin : call.end]
+        timer.add("exact: path keys", mark)
         if direct and call.begin == 0:
-            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs))
+            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs, timer))
             continue
+        mark = timer.now()
         mask = None
         if call.begin > 0 and state.implementation == "sdpa":
             # a sliding-window step past its window: transformers passes an all-visible mask, and sdpa then packs
@@ -246,26 +258,34 @@ def exact_attention_forward(
             mask = torch.ones(1, 1, 1, call.end - call.begin, dtype=torch.bool, device=query.device)
         out, _ = inner(module, q, k, v, mask, **kwargs)  # [n, 1, heads, head_dim]
         rows.append(out)
+        timer.add("exact: attention kernel", mark)
+    mark = timer.now()
     out = torch.cat(rows)[:, 0]  # [T, heads, head_dim], depth-sorted
     result = torch.empty_like(out)
     result[state.order] = out
+    timer.add("exact: assemble", mark)
     return result.unsqueeze(0), None
 
 
 def _decode_step_sdpa(
-    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict,
+    timer: NullTimer = NO_TIMER,
 ) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` called as transformers' sdpa calls it for a one-token step
     over full attention (no mask, key heads shared through `enable_gqa`), for `n` nodes at once; rows shorter than the
     call see their trailing keys masked (see `ExactAttention.calls`). Returns `[n, 1, heads, head_dim]`."""
+    mark = timer.now()
     mask = None
     if call.lengths is not None:
         positions = torch.arange(call.begin, call.end, device=q.device)
         mask = positions[None, :] < torch.tensor(call.lengths, device=q.device)[:, None]  # [n, keys]
         mask = mask[:, None, None, :]
     extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
+    timer.add("exact: masks", mark)
+    mark = timer.now()
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), is_causal=False,
         **extra,
     )  # [n, heads, 1, head_dim]
+    timer.add("exact: attention kernel", mark)
     return out.transpose(1, 2)
