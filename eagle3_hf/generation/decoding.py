@@ -334,9 +334,9 @@ def _decode(run: DecodeRun) -> None:
         run.timer.start_cycle(past=past)
         plan = draft_tree(run, root=int(run.input_ids[0, -1]))
         t0 = time.perf_counter()
-        raw, processed, features = verify(run, plan.tree, past)
-        result = accept(run, plan, processed)
-        new_tokens, path = update_caches_and_features(run, plan.tree, past, result, features)
+        scores, features = verify(run, plan.tree, past)
+        result = accept(run, plan, scores)
+        new_tokens, _ = update_caches_and_features(run, plan.tree, past, result, features)
         verify_s = time.perf_counter() - t0
         if run.timer.enabled:
             run.timer.note(nodes=plan.tree.num_nodes, accepted=len(result.path) - 1, draft_s=plan.seconds,
@@ -344,7 +344,9 @@ def _decode(run: DecodeRun) -> None:
         # A stopping criterion may cut the cycle short: count only the tokens that reached the output, and keep the
         # cache in step with them (like plain decoding's, it holds every token but the last).
         mark = run.timer.now()
-        emitted = emit(run, new_tokens, processed[path], raw[path])
+        nodes = result.path
+        rows = scores.processed_rows(nodes) if run.output_scores else None
+        emitted = emit(run, new_tokens, rows, scores.raw_rows(nodes) if run.output_logits else None)
         run.timer.add("emit (outside verify)", mark)
         record_cycle(run, plan, result.path, emitted, verify_s)
         run.accept_lengths.append(emitted)

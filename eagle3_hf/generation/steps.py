@@ -24,6 +24,7 @@ from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.exact_attention import ExactAttention
+from eagle3_hf.generation.node_scores import NodeScores
 from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.generation.drafting import (
     DraftState,
@@ -116,7 +117,7 @@ def select_token(run: DecodeRun, processed: torch.Tensor) -> int:
     return int(processed.argmax())
 
 
-def emit(run: DecodeRun, tokens: list[int], rows: torch.Tensor, raw: torch.Tensor) -> int:
+def emit(run: DecodeRun, tokens: list[int], rows: torch.Tensor | None, raw: torch.Tensor | None) -> int:
     """Append tokens one by one, checking the stopping criteria after each (stop).
 
     Returns how many were appended: all of them, unless a criterion fired first (which also sets `run.finished`).
@@ -252,11 +253,11 @@ def _sampled_tree(run: DecodeRun, plan: DraftPlan, root: int, trie: Any, cond: l
     plan.point_mass, plan.draws = grafted.point_mass, grafted.draws
 
 
-def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[NodeScores, torch.Tensor | None]:
     """One target forward over every tree node (tree mask, depth positions).
 
-    Returns raw logits `[T, V]`, processed logits `[T, V]` (each node under its own path) and tapped features
-    `[1, T, 3Ht]`.
+    Returns the nodes' scores (fp32 and processed, each node under its own path, where first read: node_scores.py)
+    and the tapped features `[1, T, 3Ht]` (None without a draft).
     """
     model, timer = run.model, run.timer
     mark = timer.now()
@@ -285,29 +286,26 @@ def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, to
     finally:
         if run.exact is not None:
             run.exact.clear_tree()
-    mark = timer.now()
-    raw = out.logits[0].float()  # [T, V]
-    timer.add("fp32 logits", mark)
-    mark = timer.now()
-    processed = _process_tree_scores(run.logits_processor, run.input_ids, tree, raw.clone())
-    timer.add("logits processors", mark)
+    scores = NodeScores(out.logits[0], tree, run.input_ids, run.logits_processor)
     mark = timer.now()
     features = select_target_features(out.hidden_states, run.layer_ids) if run.draft is not None else None
     timer.add("feature gathering", mark)
-    return raw, processed, features
+    return scores, features
 
 
-def accept(run: DecodeRun, plan: DraftPlan, processed: torch.Tensor) -> AcceptResult:
+def accept(run: DecodeRun, plan: DraftPlan, scores: NodeScores) -> AcceptResult:
     """The longest valid path (greedy match, or lossless stochastic acceptance) and the bonus token; the lookup
-    learns its hit rates from it."""
+    learns its hit rates from it. Only the visited nodes' scores are processed (in fp32: logits processors and
+    timings see what they see in plain decoding)."""
     tree, mark = plan.tree, run.timer.now()
     if run.do_sample:
         # A root-only tree has no drafted children: sample_accept then draws the bonus from p.
-        draft_probs = tree.draft_probs if tree.draft_probs is not None else torch.zeros_like(processed)
-        result = sample_accept(tree.tokens, tree.parents, torch.softmax(processed, dim=-1), draft_probs,
+        draft_probs = tree.draft_probs if tree.draft_probs is not None else (lambda node: torch.zeros_like(
+            scores.raw(node)))  # fmt: skip
+        result = sample_accept(tree.tokens, tree.parents, scores.probs, draft_probs,
                                point_mass=plan.point_mass, draws=plan.draws)  # fmt: skip
     else:
-        result = greedy_accept(tree.tokens, tree.parents, processed.argmax(dim=-1))
+        result = greedy_accept(tree.tokens, tree.parents, scores.greedy_choice)
     if run.lookup is not None and plan.match is not None:
         run.lookup.observe(tree.parents.tolist(), plan.match, result.path)
     run.timer.add("acceptance", mark)
@@ -372,34 +370,6 @@ def _target_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.d
     if window and not layer_types and getattr(text, "use_sliding_window", True):
         return verification_mask(tree_mask, past, dtype, sliding_window=window)
     return full
-
-
-def _process_tree_scores(
-    logits_processor: LogitsProcessorList, prefix: torch.Tensor, tree: DraftTree, logits: torch.Tensor
-) -> torch.Tensor:
-    """Apply the logits processors to every node's logits `[T, V]` with that node's own path as input_ids.
-
-    Nodes at equal depth have equal path length, so each depth is one batched processor call.
-    """
-    logits = logits.float()
-    if len(logits_processor) == 0:
-        return logits
-    parents = tree.parents.tolist()
-    tokens = tree.tokens
-    depths = tree.depths
-    # path_tokens[i]: tokens of nodes on the path from depth 1 to i
-    path_nodes: list[list[int]] = [[]]
-    for i in range(1, len(parents)):
-        path_nodes.append(path_nodes[parents[i]] + [i])
-    out = torch.empty_like(logits)
-    for d in range(int(depths.max()) + 1):
-        rows = (depths == d).nonzero().flatten()
-        ids = prefix.expand(rows.numel(), -1)
-        if d > 0:
-            paths = torch.tensor([path_nodes[r] for r in rows.tolist()], device=tokens.device)
-            ids = torch.cat([ids, tokens[paths]], dim=1)
-        out[rows] = logits_processor(ids, logits[rows])
-    return out
 
 
 def _prune(tree: DraftTree, n: int) -> DraftTree:
