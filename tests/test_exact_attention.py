@@ -88,6 +88,29 @@ def test_tree_rows_equal_one_token_steps(family, implementation):
             assert target.config._attn_implementation == implementation  # restored after the call
 
 
+# Trees within `ExactAttention.max_rows` (16) give every node its own row of prefix copies, its path written in one
+# gather for all nodes; a tree whose nodes are not in depth order is reordered for the calls and back.
+SMALL_TREES = {
+    "sorted, one row per node": TREE[:16],
+    "not in depth order": [-1, 0, 1, 0, 2, 3, 1, 4, 0, 6],
+}
+
+
+@pytest.mark.parametrize("tree", list(SMALL_TREES))
+@pytest.mark.parametrize("family,implementation", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "sdpa")])
+def test_small_and_unsorted_tree_rows_equal_one_token_steps(family, implementation, tree):
+    target, parents = bf16_target(family, implementation), SMALL_TREES[tree]
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for past in (3, 21):
+            prompt = torch.randint(0, V, (1, past), generator=generator)
+            tokens = torch.randint(0, V, (len(parents),), generator=generator)
+            cache = DynamicCache(config=target.config)
+            target(prompt, use_cache=True, **cache_kwargs(cache))
+            reference = plain_rows(target, cache, tokens, parents)
+            assert torch.equal(tree_rows(target, prompt, tokens, parents, exact=True), reference), f"{tree}, {past}"
+
+
 # ------------------------------------------------------------------------------------------------
 # generate(): bf16 EAGLE-3 greedy output equals plain bf16 greedy output
 

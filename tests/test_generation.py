@@ -43,7 +43,7 @@ from conftest import HALF_DTYPES
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
 from eagle3_hf.modeling._compat import CACHE_KWARG
 from eagle3_hf.generation.decoding import Eagle3GenerateOutput
-from eagle3_hf.generation.steps import _process_tree_scores
+from eagle3_hf.generation.node_scores import NodeScores
 from eagle3_hf.hub import load_draft_for
 from eagle3_hf.targets import SMOLLM2, load_target
 from eagle3_hf.generation.tree import DraftTree
@@ -232,7 +232,8 @@ def test_input_dependent_processors(family_case, processor):
 
 
 def test_tree_scores_see_each_nodes_own_path():
-    """`_process_tree_scores` gives every node its own root-to-node path as input_ids (depths batched)."""
+    """`NodeScores.processed` gives every node its own root-to-node path as input_ids, row by row as they are read;
+    without processors a node's row is its fp32 logits."""
     #        0:r
     #      /    \
     #    1:4    2:6
@@ -250,13 +251,20 @@ def test_tree_scores_see_each_nodes_own_path():
         NoRepeatNGramLogitsProcessor(2),
     ])  # fmt: skip
     logits = torch.randn(7, V, generator=torch.Generator().manual_seed(0))
-    out = _process_tree_scores(processors, prefix, tree, logits.clone())
+    scores = NodeScores(logits.clone(), tree, prefix, processors)
     paths = {0: [], 1: [4], 2: [6], 3: [4, 6], 4: [4, 4], 5: [6, 4], 6: [4, 6, 9]}
-    for node, path in paths.items():
+    for node, path in list(paths.items())[::-1]:  # any order: each row is processed on its own
         ids = torch.cat([prefix, torch.tensor([path], dtype=torch.long)], dim=1)
         expected = processors(ids, logits[node : node + 1].clone())[0]
-        assert torch.equal(out[node], expected), f"node {node}"
-    assert not torch.equal(out[3], processors(prefix, logits[3:4].clone())[0])  # the path does matter
+        assert torch.equal(scores.processed(node), expected), f"node {node}"
+        assert scores.greedy_choice(node) == int(expected.argmax())
+    assert not torch.equal(scores.processed(3), processors(prefix, logits[3:4].clone())[0])  # the path does matter
+    assert torch.equal(scores.processed_rows([0, 3]), torch.stack([scores.processed(0), scores.processed(3)]))
+    assert torch.equal(scores.raw_rows([0, 3]), logits[[0, 3]])
+    bf16 = torch.randint(-3, 3, (7, V), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # with ties
+    plain = NodeScores(bf16, tree, prefix, LogitsProcessorList())
+    assert torch.equal(plain.processed(2), bf16[2].float()) and plain.processed(2).dtype == torch.float32
+    assert [plain.greedy_choice(n) for n in range(7)] == bf16.float().argmax(dim=-1).tolist()
 
 
 def letter_tokenizer():

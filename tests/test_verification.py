@@ -18,20 +18,30 @@ PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
 TOKENS = torch.tensor([10, 11, 12, 13, 14, 15, 16])
 
 
-@pytest.mark.parametrize(
-    "target_next, path, bonus",
-    [
-        ([99, 0, 0, 0, 0, 0, 0], [0], 99),  # rejected at the root
-        ([11, 13, 0, 16, 0, 0, 77], [0, 1, 3, 6], 77),  # the full deepest path
-        ([12, 0, 15, 0, 0, 42, 0], [0, 2, 5], 42),  # the other branch, down to a leaf
-        ([11, 14, 0, 0, 8, 0, 0], [0, 1, 4], 8),  # second sibling chosen
-        ([11, 50, 0, 0, 0, 0, 0], [0, 1], 50),  # stops mid-path
-    ],
-)
+GREEDY_CASES = [
+    ([99, 0, 0, 0, 0, 0, 0], [0], 99),  # rejected at the root
+    ([11, 13, 0, 16, 0, 0, 77], [0, 1, 3, 6], 77),  # the full deepest path
+    ([12, 0, 15, 0, 0, 42, 0], [0, 2, 5], 42),  # the other branch, down to a leaf
+    ([11, 14, 0, 0, 8, 0, 0], [0, 1, 4], 8),  # second sibling chosen
+    ([11, 50, 0, 0, 0, 0, 0], [0, 1], 50),  # stops mid-path
+]
+
+
+@pytest.mark.parametrize("target_next, path, bonus", GREEDY_CASES)
 def test_greedy_accept(target_next, path, bonus):
     result = greedy_accept(TOKENS, PARENTS, torch.tensor(target_next))
     assert result == AcceptResult(path=path, bonus_token=bonus)
     assert result.tau == len(path) and result.num_accepted == len(path) - 1
+
+
+@pytest.mark.parametrize("target_next, path, bonus", GREEDY_CASES)
+def test_greedy_accept_with_a_callable_reads_only_the_visited_nodes(target_next, path, bonus):
+    read = []
+    result = greedy_accept(TOKENS, PARENTS, lambda node: read.append(node) or target_next[node])
+    assert result == AcceptResult(path=path, bonus_token=bonus)
+    assert read == path  # each node on the path once, in order, and no other
+    with pytest.raises(ValueError, match="callable"):
+        greedy_accept(TOKENS, PARENTS, target_next)  # a list is neither
 
 
 def _without_replacement_sequences(q: torch.Tensor, k: int):

@@ -41,6 +41,7 @@ from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.hybrid import LookupOptions, LookupState
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.generation.steps import (
     DecodeRun,
     accept,
@@ -232,6 +233,7 @@ def eagle3_decoding(
     generation_config: GenerationConfig,
     eagle3_draft: Eagle3DraftModel | ContextLookup | None = None,
     eagle3_streamer: Any = None,
+    eagle3_timer: NullTimer = NO_TIMER,
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
     tree_total_tokens: int | None = None,
@@ -315,7 +317,7 @@ def eagle3_decoding(
         cache=cache, layer_ids=draft.config.resolved_target_layer_ids(layers) if draft is not None else [],
         start=start, do_sample=do_sample,
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0, adaptive_tree=adaptive_tree,
-        streamer=eagle3_streamer, output_scores=return_dict and bool(generation_config.output_scores),
+        streamer=eagle3_streamer, timer=eagle3_timer, output_scores=return_dict and bool(generation_config.output_scores),
         output_logits=return_dict and bool(generation_config.output_logits),
         cost=CycleCostModel.for_device(model.device.type, model.dtype),
     )  # fmt: skip
@@ -323,6 +325,8 @@ def eagle3_decoding(
     if exact_verify is None:
         exact_verify = model.device.type == "cpu"
     with exact_verification(model, enabled=exact_verify) as run.exact:
+        if run.exact is not None:
+            run.exact.timer = run.timer
         _decode(run)
     return _finish(run, return_dict)
 
@@ -332,15 +336,23 @@ def _decode(run: DecodeRun) -> None:
     prefill(run)
     while not run.finished:
         past = run.cache.get_seq_length()
+        run.timer.start_cycle(past=past)
         plan = draft_tree(run, root=int(run.input_ids[0, -1]))
         t0 = time.perf_counter()
-        raw, processed, features = verify(run, plan.tree, past)
-        result = accept(run, plan, processed)
-        new_tokens, path = update_caches_and_features(run, plan.tree, past, result, features)
+        scores, features = verify(run, plan.tree, past)
+        result = accept(run, plan, scores)
+        new_tokens, _ = update_caches_and_features(run, plan.tree, past, result, features)
         verify_s = time.perf_counter() - t0
+        if run.timer.enabled:
+            run.timer.note(nodes=plan.tree.num_nodes, accepted=len(result.path) - 1, draft_s=plan.seconds,
+                           verify_s=verify_s, parents=plan.tree.parents.tolist())
         # A stopping criterion may cut the cycle short: count only the tokens that reached the output, and keep the
         # cache in step with them (like plain decoding's, it holds every token but the last).
-        emitted = emit(run, new_tokens, processed[path], raw[path])
+        mark = run.timer.now()
+        nodes = result.path
+        rows = scores.processed_rows(nodes) if run.output_scores else None
+        emitted = emit(run, new_tokens, rows, scores.raw_rows(nodes) if run.output_logits else None)
+        run.timer.add("emit (outside verify)", mark)
         record_cycle(run, plan, result.path, emitted, verify_s)
         run.accept_lengths.append(emitted)
         if emitted < len(new_tokens):

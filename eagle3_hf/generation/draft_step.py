@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = ["DraftKV", "draft_forward"]
@@ -109,6 +110,7 @@ def draft_forward(
     mask: torch.Tensor | None,
     logits_to_keep: int = 0,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    timer: NullTimer = NO_TIMER,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft step over `S` rows at batch size 1, as `Eagle3DraftModel.forward` computes it.
 
@@ -121,10 +123,12 @@ def draft_forward(
         logits_to_keep: if > 0, logits for the last that many rows only.
         rotary: RoPE (cos, sin) `[1, S or 1, d]` for `positions`, when the caller has them already (a tree's
             levels take theirs from one table); computed from `positions` otherwise.
+        timer: the decoding call's named sections (timing.py): the layer(s), then the head.
 
     Returns:
         (logits `[S', draft_vocab]`, the state to feed back `[1, S, H]`).
     """
+    mark = timer.now()
     embeds = draft.embed_tokens(input_ids).to(hidden.dtype)
     rotary = rotary or draft.rotary_emb(hidden, positions[None])
     out = hidden
@@ -137,4 +141,8 @@ def draft_forward(
         out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(1, q.shape[2], -1)))
     normed = draft.norm(out)
     rows = normed[0, -logits_to_keep:] if logits_to_keep > 0 else normed[0]
-    return draft.lm_head(rows), normed if draft.config.norm_output else out
+    timer.add("draft: layer forward", mark)
+    mark = timer.now()
+    logits = draft.lm_head(rows)
+    timer.add("draft: head", mark)
+    return logits, normed if draft.config.norm_output else out

@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf.generation.draft_step import DraftKV, causal_block, draft_forward
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.generation.tree import DraftTree, rerank, sample_children
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
@@ -131,13 +132,14 @@ class TreeBudget:
 
 @torch.no_grad()
 def build_greedy_tree(
-    draft: Eagle3DraftModel, state: DraftState, root_token: int, budget: TreeBudget
+    draft: Eagle3DraftModel, state: DraftState, root_token: int, budget: TreeBudget, timer: NullTimer = NO_TIMER
 ) -> DraftTree:
     """EAGLE-2 dynamic tree: top-k expansion by cumulative draft log-probability, then global rerank.
 
     Level by level, the `top_k` best frontier nodes are fed to the draft together (one forward per level) at the
     position after their parent, each attending to the verified prefix, its own ancestors and itself.
     """
+    mark = timer.now()
     device = state.last_logits.device
     k = budget.top_k
     prefix = state.length
@@ -157,21 +159,31 @@ def build_greedy_tree(
     # RoPE for every level at once: the nodes of level l all sit at position prefix + l - 1.
     cos, sin = draft.rotary_emb(frontier_hidden, torch.arange(prefix, prefix + budget.depth, device=device)[None])
     flat_count, fed = cand_ids.numel(), 0
+    timer.add("draft: tree setup", mark)
     for level in range(1, budget.depth):
+        mark = timer.now()
         if budget.grow is not None and not budget.grow(frontier_scores.max().exp().item(), flat_count):
+            timer.add("draft: grow decision", mark)
             break
+        timer.add("draft: grow decision", mark)
+        mark = timer.now()
         kf = frontier.numel()
         ancestors = torch.cat([ancestors, torch.eye(kf, dtype=torch.bool, device=device)], dim=1)
         level_mask = mask[:kf, : prefix + fed + kf]
         level_mask[:, prefix:] = torch.where(ancestors, zero, blocked)
+        ids = draft.draft_to_target_ids(frontier_ids)[None]
+        positions = torch.full((kf,), prefix + level - 1, device=device)
+        timer.add("draft: level mask and inputs", mark)
         state.forward_calls += 1
         logits, hidden = draft_forward(
-            draft, state.kv, draft.draft_to_target_ids(frontier_ids)[None], frontier_hidden,
-            torch.full((kf,), prefix + level - 1, device=device), prefix + fed, level_mask,
-            rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
+            draft, state.kv, ids, frontier_hidden, positions, prefix + fed, level_mask,
+            rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]), timer=timer,
         )  # fmt: skip
         fed += kf
+        mark = timer.now()
         child_ids, child_logp = top_children(logits, k)  # [kf, k] each
+        timer.add("draft: log-softmax and top-k", mark)
+        mark = timer.now()
         child_scores = frontier_scores[:, None] + child_logp
         all_scores.append(child_scores.reshape(-1))
         all_ids.append(child_ids.reshape(-1))
@@ -184,15 +196,19 @@ def build_greedy_tree(
         frontier_ids = child_ids.reshape(-1)[best]
         frontier_hidden = hidden[:, rows]
         ancestors = ancestors[rows]
+        timer.add("draft: frontier bookkeeping", mark)
+    mark = timer.now()
     scores = torch.cat(all_scores)
     kept, tree_parents = rerank(scores, torch.cat(all_parents), budget.total_tokens)
     target_ids = draft.draft_to_target_ids(torch.cat(all_ids)[kept])
     root = torch.tensor([root_token], device=device, dtype=target_ids.dtype)
-    return DraftTree.from_parents(
+    tree = DraftTree.from_parents(
         tokens=torch.cat([root, target_ids]),
         parents=tree_parents,
         scores=torch.cat([torch.zeros(1, device=device), scores[kept]]),
     )
+    timer.add("draft: rerank and tree", mark)
+    return tree
 
 
 @torch.no_grad()

@@ -27,12 +27,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 
 __all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
 
@@ -46,13 +48,15 @@ PREFIX = "eagle3_exact_"
 @dataclass(frozen=True)
 class _Call:
     """One attention call of a tree forward: the depth-sorted nodes `start:stop`, keys `begin:end`, and per node
-    (when they differ) how many of those keys it sees -- the rest are masked trailing keys."""
+    (when they differ) how many of those keys it sees -- the rest are masked trailing keys, under `mask`
+    (`[n, 1, 1, end - begin]` bool, built once per tree rather than once per layer)."""
 
     start: int
     stop: int
     begin: int
     end: int
     lengths: tuple[int, ...] | None = None
+    mask: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -79,8 +83,11 @@ class ExactAttention:
     order: torch.Tensor | None = None  # [T] node indices sorted by depth; None: no tree planned
     depths: list[int] = field(default_factory=list)  # of the sorted nodes
     paths: torch.Tensor | None = None  # [T, max_depth + 1] each sorted node's path, padded by repeating the node
+    sorted: bool = True  # the nodes are in depth order already (drafted trees are): no reordering needed
+    key_index: torch.Tensor | None = None  # [T * (max_depth + 1)] `past + paths`, flat: cache positions to gather
     layers: dict[int, _LayerKeys] = field(default_factory=dict)
     _calls: dict[Any, list[_Call]] = field(default_factory=dict)
+    timer: NullTimer = NO_TIMER  # the decoding call's (timing.py)
 
     def set_tree(self, parents: torch.Tensor, past: int) -> None:
         """Plan the next forward: the tree of `parents` `[T]` (`parents[i] < i`, root -1) behind `past` tokens."""
@@ -90,14 +97,16 @@ class ExactAttention:
         order = sorted(range(len(paths)), key=lambda i: len(paths[i]))
         width = max(len(p) for p in paths)
         device = parents.device
+        self.sorted = order == list(range(len(order)))
         self.order = torch.tensor(order, device=device)
         self.depths = [len(paths[i]) - 1 for i in order]
         self.paths = torch.tensor([paths[i] + [i] * (width - len(paths[i])) for i in order], device=device)
+        self.key_index = (past + self.paths).flatten()
         self.past = past
         self._calls = {}
 
     def clear_tree(self) -> None:
-        self.order = self.paths = None
+        self.order = self.paths = self.key_index = None
 
     def calls(self, window: int | None, merge: bool) -> list[_Call]:
         """The attention calls for a layer with sliding `window` (None: full attention).
@@ -110,7 +119,9 @@ class ExactAttention:
         """
         key = (window, merge)
         if key not in self._calls:
-            self._calls[key] = _plan_calls(self.depths, self.past, window, merge, self.max_rows)
+            device = self.paths.device
+            self._calls[key] = [_with_mask(call, device) for call in
+                                _plan_calls(self.depths, self.past, window, merge, self.max_rows)]  # fmt: skip
         return self._calls[key]
 
     def layer_keys(self, layer: int, key: torch.Tensor, value: torch.Tensor, needed: int) -> _LayerKeys:
@@ -161,6 +172,15 @@ def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, m
         calls.append(_Call(start, stop, begin, end, None if len(set(lengths)) == 1 else lengths))
         start = stop
     return calls
+
+
+def _with_mask(call: _Call, device: torch.device) -> _Call:
+    """`call` with its trailing-key mask (True: visible), when its rows have different lengths."""
+    if call.lengths is None:
+        return call
+    positions = torch.arange(call.begin, call.end, device=device)
+    mask = positions[None, :] < torch.tensor(call.lengths, device=device)[:, None]  # [n, keys]
+    return replace(call, mask=mask[:, None, None, :])
 
 
 @contextmanager
@@ -222,23 +242,43 @@ def exact_attention_forward(
         return inner(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"row-exact verification runs one sequence; got a batch of {query.shape[0]}")
+    timer = state.timer
+    mark = timer.now()
     layer = state.layer_keys(module.layer_idx, key, value, past + state.depths[-1] + 1)
-    tree_keys = key[0, :, past:].transpose(0, 1)  # [T, kv_heads, head_dim]
-    tree_values = value[0, :, past:].transpose(0, 1)
-    queries = query[0].transpose(0, 1)[state.order].unsqueeze(2)  # [T, heads, 1, head_dim], depth-sorted
+    timer.add("exact: prefix copies", mark)
+    mark = timer.now()
+    queries = query[0].transpose(0, 1).unsqueeze(2)  # [T, heads, 1, head_dim]
+    # depth-sorted, and contiguous as the kernels' one-token steps get them
+    queries = queries.contiguous() if state.sorted else queries[state.order]
     direct = state.implementation == "sdpa" and not kwargs.get("softcap") and not kwargs.get("output_attentions")
+    calls = state.calls(window, merge=direct)
+    # each node's row: the prefix, then its path (root .. node) at the positions its own step has them. With a row
+    # per node, every path is written in one gather; otherwise each call reuses the first rows.
+    # (An index_select along the cache's key axis: advanced indexing of the transposed cache cost ~20x more.)
+    nodes, width = state.paths.shape
+    own_rows = layer.keys.shape[0] >= nodes
+    if own_rows:
+        for cache, rows_of in ((key, layer.keys), (value, layer.values)):
+            gathered = cache[0].index_select(1, state.key_index).view(cache.shape[1], nodes, width, cache.shape[3])
+            rows_of[:nodes, :, past : past + width] = gathered.transpose(0, 1)
+    timer.add("exact: path keys", mark)
     rows = []
-    for call in state.calls(window, merge=direct):
-        n, width = call.stop - call.start, call.end - past
-        # each node's row: the prefix, then its path (root .. node) at the positions its own step has them
-        paths = state.paths[call.start : call.stop, :width]  # [n, width]
-        layer.keys[:n, :, past : call.end] = tree_keys[paths].transpose(1, 2)
-        layer.values[:n, :, past : call.end] = tree_values[paths].transpose(1, 2)
+    for call in calls:
+        mark = timer.now()
+        first = call.start if own_rows else 0
+        last = first + call.stop - call.start
+        if not own_rows:
+            index = state.key_index.view(nodes, width)[call.start : call.stop, : call.end - past]
+            for cache, rows_of in ((key, layer.keys), (value, layer.values)):
+                gathered = cache[0].index_select(1, index.flatten()).view(cache.shape[1], last, -1, cache.shape[3])
+                rows_of[:last, :, past : call.end] = gathered.transpose(0, 1)
         q = queries[call.start : call.stop]
-        k, v = layer.keys[:n, :, call.begin : call.end], layer.values[:n, :, call.begin : call.end]
+        k, v = layer.keys[first:last, :, call.begin : call.end], layer.values[first:last, :, call.begin : call.end]
+        timer.add("exact: path keys", mark)
         if direct and call.begin == 0:
-            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs))
+            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs, timer))
             continue
+        mark = timer.now()
         mask = None
         if call.begin > 0 and state.implementation == "sdpa":
             # a sliding-window step past its window: transformers passes an all-visible mask, and sdpa then packs
@@ -246,26 +286,29 @@ def exact_attention_forward(
             mask = torch.ones(1, 1, 1, call.end - call.begin, dtype=torch.bool, device=query.device)
         out, _ = inner(module, q, k, v, mask, **kwargs)  # [n, 1, heads, head_dim]
         rows.append(out)
-    out = torch.cat(rows)[:, 0]  # [T, heads, head_dim], depth-sorted
-    result = torch.empty_like(out)
-    result[state.order] = out
-    return result.unsqueeze(0), None
+        timer.add("exact: attention kernel", mark)
+    mark = timer.now()
+    out = (rows[0] if len(rows) == 1 else torch.cat(rows))[:, 0]  # [T, heads, head_dim], depth-sorted
+    if not state.sorted:
+        result = torch.empty_like(out)
+        result[state.order] = out
+        out = result
+    timer.add("exact: assemble", mark)
+    return out.unsqueeze(0), None
 
 
 def _decode_step_sdpa(
-    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict,
+    timer: NullTimer = NO_TIMER,
 ) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` called as transformers' sdpa calls it for a one-token step
     over full attention (no mask, key heads shared through `enable_gqa`), for `n` nodes at once; rows shorter than the
     call see their trailing keys masked (see `ExactAttention.calls`). Returns `[n, 1, heads, head_dim]`."""
-    mask = None
-    if call.lengths is not None:
-        positions = torch.arange(call.begin, call.end, device=q.device)
-        mask = positions[None, :] < torch.tensor(call.lengths, device=q.device)[:, None]  # [n, keys]
-        mask = mask[:, None, None, :]
+    mark = timer.now()
     extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), is_causal=False,
+        q, k, v, attn_mask=call.mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), is_causal=False,
         **extra,
     )  # [n, heads, 1, head_dim]
+    timer.add("exact: attention kernel", mark)
     return out.transpose(1, 2)

@@ -24,6 +24,8 @@ from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.exact_attention import ExactAttention
+from eagle3_hf.generation.node_scores import NodeScores
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.generation.drafting import (
     DraftState,
     TreeBudget,
@@ -75,6 +77,7 @@ class DecodeRun:
     exact: ExactAttention | None = None  # row-exact verification (exact_attention.py); None: one tree-masked call
     state: DraftState = field(default_factory=DraftState)
     lookup: LookupState | None = None  # the context lookup's index and hit rates; None: no lookup
+    timer: NullTimer = NO_TIMER  # named sections per cycle (timing.py); NO_TIMER: not profiled
     scores: tuple[torch.Tensor, ...] = ()
     raw_logits: tuple[torch.Tensor, ...] = ()
     accept_lengths: list[int] = field(default_factory=list)
@@ -114,7 +117,7 @@ def select_token(run: DecodeRun, processed: torch.Tensor) -> int:
     return int(processed.argmax())
 
 
-def emit(run: DecodeRun, tokens: list[int], rows: torch.Tensor, raw: torch.Tensor) -> int:
+def emit(run: DecodeRun, tokens: list[int], rows: torch.Tensor | None, raw: torch.Tensor | None) -> int:
     """Append tokens one by one, checking the stopping criteria after each (stop).
 
     Returns how many were appended: all of them, unless a criterion fired first (which also sets `run.finished`).
@@ -171,18 +174,21 @@ def draft_tree(run: DecodeRun, root: int) -> DraftPlan:
     use_draft = run.draft is not None and not confident
     plan = DraftPlan(consulted=use_draft and (not run.adaptive_tree or cost.consult_draft()))
     if plan.consulted:
+        mark = run.timer.now()
         flush_pending(run.draft, state)  # verified pairs since the last consultation; not a draft step
+        run.timer.add("draft: catch-up forward", mark)
         t_tree = time.perf_counter()
         calls_before = state.forward_calls
         # the draft's best next tokens: the depth-1 candidates a tree would start from
         probs = torch.softmax(state.last_logits.float() / run.temperature, dim=-1)
         top = probs.topk(min(budget.top_k, probs.numel())).values
+        run.timer.add("draft: worth drafting", t_tree)
         if not run.adaptive_tree or cost.worth_drafting(top):
             budget.grow = cost.worth_deeper if run.adaptive_tree else None
             if run.do_sample:
                 _sampled_tree(run, plan, root, trie, cond, with_draft=True)
             else:
-                plan.tree = build_greedy_tree(run.draft, state, root, budget)
+                plan.tree = build_greedy_tree(run.draft, state, root, budget, timer=run.timer)
                 if trie is not None and trie.num_nodes > 1:
                     plan.tree, plan.sources, plan.match = graft(plan.tree, trie, cond, budget.total_tokens)
                 _size_greedy(run, plan, t0)
@@ -247,51 +253,62 @@ def _sampled_tree(run: DecodeRun, plan: DraftPlan, root: int, trie: Any, cond: l
     plan.point_mass, plan.draws = grafted.point_mass, grafted.draws
 
 
-def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify(run: DecodeRun, tree: DraftTree, past: int) -> tuple[NodeScores, torch.Tensor | None]:
     """One target forward over every tree node (tree mask, depth positions).
 
-    Returns raw logits `[T, V]`, processed logits `[T, V]` (each node under its own path) and tapped features
-    `[1, T, 3Ht]`.
+    Returns the nodes' scores (fp32 and processed, each node under its own path, where first read: node_scores.py)
+    and the tapped features `[1, T, 3Ht]` (None without a draft).
     """
-    model = run.model
+    model, timer = run.model, run.timer
+    mark = timer.now()
     if run.exact is not None:
         run.exact.set_tree(tree.parents, past)
+    timer.add("exact: plan tree", mark)
     try:
         with torch.no_grad():
+            mark = timer.now()
             mask = None
             if tree.tokens.numel() > 1:
                 mask = _target_mask(model.config, tree_attention_mask(tree.parents), past, model.dtype)
+            positions = (past + tree.depths)[None]
+            timer.add("mask and positions", mark)
+            mark = timer.now()
             out = model(
                 input_ids=tree.tokens[None],
                 attention_mask=mask,
-                position_ids=(past + tree.depths)[None],
+                position_ids=positions,
                 use_cache=True,
                 output_hidden_states=run.draft is not None,
                 **cache_kwargs(run.cache),
                 **_exact_kwargs(run),
             )
+            timer.add("target forward", mark)
     finally:
         if run.exact is not None:
             run.exact.clear_tree()
-    raw = out.logits[0].float()  # [T, V]
-    processed = _process_tree_scores(run.logits_processor, run.input_ids, tree, raw.clone())
+    scores = NodeScores(out.logits[0], tree, run.input_ids, run.logits_processor)
+    mark = timer.now()
     features = select_target_features(out.hidden_states, run.layer_ids) if run.draft is not None else None
-    return raw, processed, features
+    timer.add("feature gathering", mark)
+    return scores, features
 
 
-def accept(run: DecodeRun, plan: DraftPlan, processed: torch.Tensor) -> AcceptResult:
+def accept(run: DecodeRun, plan: DraftPlan, scores: NodeScores) -> AcceptResult:
     """The longest valid path (greedy match, or lossless stochastic acceptance) and the bonus token; the lookup
-    learns its hit rates from it."""
-    tree = plan.tree
+    learns its hit rates from it. Only the visited nodes' scores are processed (in fp32: logits processors and
+    timings see what they see in plain decoding)."""
+    tree, mark = plan.tree, run.timer.now()
     if run.do_sample:
         # A root-only tree has no drafted children: sample_accept then draws the bonus from p.
-        draft_probs = tree.draft_probs if tree.draft_probs is not None else torch.zeros_like(processed)
-        result = sample_accept(tree.tokens, tree.parents, torch.softmax(processed, dim=-1), draft_probs,
+        draft_probs = tree.draft_probs if tree.draft_probs is not None else (lambda node: torch.zeros_like(
+            scores.raw(node)))  # fmt: skip
+        result = sample_accept(tree.tokens, tree.parents, scores.probs, draft_probs,
                                point_mass=plan.point_mass, draws=plan.draws)  # fmt: skip
     else:
-        result = greedy_accept(tree.tokens, tree.parents, processed.argmax(dim=-1))
+        result = greedy_accept(tree.tokens, tree.parents, scores.greedy_choice)
     if run.lookup is not None and plan.match is not None:
         run.lookup.observe(tree.parents.tolist(), plan.match, result.path)
+    run.timer.add("acceptance", mark)
     return result
 
 
@@ -299,11 +316,15 @@ def update_caches_and_features(
     run: DecodeRun, tree: DraftTree, past: int, result: AcceptResult, features: torch.Tensor
 ) -> tuple[list[int], torch.Tensor]:
     """Keep only the accepted path in the target cache; queue its features for the draft. Returns (tokens, path)."""
+    mark = run.timer.now()
     path = torch.tensor(result.path, device=run.device)
     keep_cache_entries(run.cache, past, path)
+    run.timer.add("cache compaction", mark)
+    mark = run.timer.now()
     new_tokens = tree.tokens[path[1:]].tolist() + [int(result.bonus_token)]
     if run.draft is not None:
         run.state.add_verified(features[:, path], torch.tensor([new_tokens], device=run.device))  # [1, a+1, 3Ht]
+    run.timer.add("feature gathering", mark)
     _sync(run.device)
     return new_tokens, path
 
@@ -349,34 +370,6 @@ def _target_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.d
     if window and not layer_types and getattr(text, "use_sliding_window", True):
         return verification_mask(tree_mask, past, dtype, sliding_window=window)
     return full
-
-
-def _process_tree_scores(
-    logits_processor: LogitsProcessorList, prefix: torch.Tensor, tree: DraftTree, logits: torch.Tensor
-) -> torch.Tensor:
-    """Apply the logits processors to every node's logits `[T, V]` with that node's own path as input_ids.
-
-    Nodes at equal depth have equal path length, so each depth is one batched processor call.
-    """
-    logits = logits.float()
-    if len(logits_processor) == 0:
-        return logits
-    parents = tree.parents.tolist()
-    tokens = tree.tokens
-    depths = tree.depths
-    # path_tokens[i]: tokens of nodes on the path from depth 1 to i
-    path_nodes: list[list[int]] = [[]]
-    for i in range(1, len(parents)):
-        path_nodes.append(path_nodes[parents[i]] + [i])
-    out = torch.empty_like(logits)
-    for d in range(int(depths.max()) + 1):
-        rows = (depths == d).nonzero().flatten()
-        ids = prefix.expand(rows.numel(), -1)
-        if d > 0:
-            paths = torch.tensor([path_nodes[r] for r in rows.tolist()], device=tokens.device)
-            ids = torch.cat([ids, tokens[paths]], dim=1)
-        out[rows] = logits_processor(ids, logits[rows])
-    return out
 
 
 def _prune(tree: DraftTree, n: int) -> DraftTree:

@@ -59,26 +59,34 @@ def _check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
         )
 
 
-def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_next: torch.Tensor) -> AcceptResult:
+def greedy_accept(
+    tokens: torch.Tensor, parents: torch.Tensor, target_next: torch.Tensor | Callable[[int], int]
+) -> AcceptResult:
     """Greedy verification.
 
     Args:
         tokens: ``[T]`` tree tokens (target vocabulary).
         parents: ``[T]`` parent indices.
-        target_next: ``[T]`` the target's chosen token after each node (argmax of its processed logits).
+        target_next: ``[T]`` the target's chosen token after each node (argmax of its processed logits), or a
+            callable ``node -> token`` (called only for the nodes visited, so only their scores need computing).
 
     Walks from the root to the child whose token equals ``target_next[current]`` until there is none.
     """
     _check_tree(tokens, parents)
-    if target_next.shape != tokens.shape:
-        raise ValueError(f"`target_next` must have shape {tuple(tokens.shape)}, got {tuple(target_next.shape)}")
+    if isinstance(target_next, torch.Tensor):
+        if target_next.shape != tokens.shape:
+            raise ValueError(f"`target_next` must have shape {tuple(tokens.shape)}, got {tuple(target_next.shape)}")
+        next_of = target_next.tolist().__getitem__
+    elif callable(target_next):
+        next_of = target_next
+    else:
+        raise ValueError(f"`target_next` must be a [T] tensor or a callable node -> token, got {type(target_next)}")
     children = children_lists(parents)
     token_list = tokens.tolist()
-    next_list = target_next.tolist()
     path = [0]
     node = 0
     while True:
-        wanted = next_list[node]
+        wanted = int(next_of(node))
         match = next((child for child in children[node] if token_list[child] == wanted), None)
         if match is None:
             return AcceptResult(path=path, bonus_token=int(wanted))

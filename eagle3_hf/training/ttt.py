@@ -31,6 +31,8 @@ token over its FULL vocabulary, which is what acceptance measures.
 Cost: the head over a 16k-id draft vocabulary and its softmax are most of a step's work, and neither prompts nor
 out-of-vocabulary positions need them, so training runs the head inside the loss on the rows that carry loss
 (``ttt_forward(return_hidden=True)`` + ``ttt_loss(head=...)``), and top-k soft labels stay sparse (``[M, k]``).
+The trainer goes one step further (``ttt_loss(fused_head=...)``, `eagle3_hf.training.head_loss`): one call runs the
+head and the loss over every step's rows at once, with the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt_layer import routed_layer_step
+
+# (rows [M, H], p [M, k] or [M, Vd], columns [M, k] or None) -> (row_loss [M], argmax draft id [M])
+FusedHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 __all__ = [
     "TTTOutput",
@@ -254,6 +259,7 @@ def ttt_loss(
     decay: float = 0.8,
     target_ids: torch.Tensor | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fused_head: FusedHead | None = None,
 ) -> TTTOutput:
     """The TTT loss, and per-step accuracy against the target's full-vocabulary top token.
 
@@ -268,6 +274,9 @@ def ttt_loss(
             full vocabulary.
         head: with `ttt_forward(..., return_hidden=True)`'s head inputs as `step_logits`, the draft head
             (``draft.lm_head``, ``[M, H] -> [M, Vd]``), run here on the supervised in-vocabulary positions only.
+        fused_head: instead of `head`, the head and per-row loss in one call over every step's rows at once,
+            ``(rows [M, H], p, columns) -> (row_loss [M], argmax [M])`` (`head_cross_entropy` with the head's
+            weight): the same loss and gradients, without the per-step ``[M, Vd]`` log-softmax passes.
 
     A supervised position whose target top token lies outside the draft vocabulary carries no loss (greedy
     verification rejects every draft token there) but counts as a miss in the accuracy, so that ``step_accuracy``
@@ -276,9 +285,12 @@ def ttt_loss(
     """
     if not step_logits:
         raise ValueError("step_logits is empty; run at least one TTT step.")
-    if head is not None and t2d is None:
+    if head is not None and fused_head is not None:
+        raise ValueError("Pass ttt_loss a head or a fused_head, not both.")
+    on_rows = head is not None or fused_head is not None  # step_logits are head inputs
+    if on_rows and t2d is None:
         raise ValueError("ttt_loss with a head needs t2d (the draft vocabulary over the target's ids).")
-    draft_vocab = int(t2d.sum()) if head is not None else step_logits[0].shape[-1]
+    draft_vocab = int(t2d.sum()) if on_rows else step_logits[0].shape[-1]
     if t2d is None:
         if target_ids is not None or target_logits.shape[-1] != draft_vocab:
             raise ValueError(
@@ -305,40 +317,75 @@ def ttt_loss(
         )
     draft_to_target = torch.nonzero(t2d)[:, 0]  # [Vd] target id of each draft id (d2t as absolute ids)
     seq = loss_mask.shape[1]
+    steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq)
+             for step, outputs in enumerate(step_logits)]  # fmt: skip
+    if fused_head is not None:
+        losses, predictions = _fused_step_losses(steps, fused_head)
+    else:
+        losses, predictions = [], []
+        for rows, _, _, columns, p, _ in steps:
+            draft_logits = head(rows) if head is not None else rows  # [M, Vd]
+            if draft_logits.shape[-1] != draft_vocab:
+                raise ValueError(f"The head gives {draft_logits.shape[-1]} logits; t2d marks {draft_vocab} draft ids.")
+            log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [M, Vd]
+            picked = log_q if columns is None else log_q.gather(1, columns)  # [M, Vd] or [M, k]
+            losses.append(-(p * picked).sum() / max(rows.shape[0], 1))
+            predictions.append(log_q.detach().max(-1).indices)  # [M]; max is faster than argmax here
     total = step_logits[0].new_zeros((), dtype=torch.float32)
-    losses, correct, supervised, in_vocab_counts = [], [], [], []
-    for step, outputs in enumerate(step_logits):
-        draft_pos, target_rows, mask_pos = step_alignment(seq, step)
-        selected = loss_mask[:, mask_pos].bool()  # [B, n]
-        # Gather the supervised positions first: the head and softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
-        rows = outputs[:, draft_pos][selected]  # [N, Vd] logits, or [N, H] head inputs
-        targets = target_logits[:, target_rows][selected]
-        if target_ids is not None:
-            top, in_vocab, columns, p = _sparse_targets(targets, target_ids[:, target_rows][selected], t2d)
-        else:
-            (top, in_vocab, p), columns = draft_vocab_targets(targets, None, t2d), None
-        # An out-of-vocabulary target is a certain miss and carries no loss: only in-vocabulary rows need the head.
-        rows = rows[in_vocab]
-        draft_logits = head(rows) if head is not None else rows  # [M, Vd]
-        if draft_logits.shape[-1] != draft_vocab:
-            raise ValueError(f"The head gives {draft_logits.shape[-1]} logits; t2d marks {draft_vocab} draft ids.")
-        log_q = torch.log_softmax(draft_logits.float(), dim=-1)  # [M, Vd]
-        carrying = in_vocab.sum()
-        picked = log_q if columns is None else log_q.gather(1, columns)  # [M, Vd] or [M, k]
-        step_loss = -(p * picked).sum() / carrying.clamp(min=1)
+    correct, supervised, in_vocab_counts = [], [], []
+    for step, ((_, top, in_vocab, _, _, selected), step_loss, predicted) in enumerate(zip(steps, losses, predictions)):
         total = total + decay**step * step_loss
-        losses.append(step_loss.detach())
-        predicted = draft_to_target[log_q.detach().max(-1).indices]  # [M]; max is faster than argmax here
-        correct.append((predicted == top[in_vocab]).sum())
-        supervised.append(selected.sum())
-        in_vocab_counts.append(carrying)
+        correct.append((draft_to_target[predicted] == top[in_vocab]).sum())
+        supervised.append(selected)
+        in_vocab_counts.append(in_vocab.sum())
     return TTTOutput(
         loss=total,
-        step_losses=torch.stack(losses),
+        step_losses=torch.stack([loss.detach() for loss in losses]),
         step_correct=torch.stack(correct),
         step_supervised=torch.stack(supervised),
         step_in_vocab=torch.stack(in_vocab_counts),
     )
+
+
+_StepTargets = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+
+
+def _step_targets(
+    outputs: torch.Tensor,
+    step: int,
+    target_logits: torch.Tensor,
+    target_ids: torch.Tensor | None,
+    loss_mask: torch.Tensor,
+    t2d: torch.Tensor,
+    seq: int,
+) -> _StepTargets:
+    """One step's rows that carry loss and their labels: ``(rows [M, Vd or H], top [N], in_vocab [N], columns [M, k]
+    or None, p [M, k or Vd], number of supervised positions N)``."""
+    draft_pos, target_rows, mask_pos = step_alignment(seq, step)
+    selected = loss_mask[:, mask_pos].bool()  # [B, n]
+    # Gather the supervised positions first: the head and softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
+    rows = outputs[:, draft_pos][selected]  # [N, Vd] logits, or [N, H] head inputs
+    targets = target_logits[:, target_rows][selected]
+    if target_ids is not None:
+        top, in_vocab, columns, p = _sparse_targets(targets, target_ids[:, target_rows][selected], t2d)
+    else:
+        (top, in_vocab, p), columns = draft_vocab_targets(targets, None, t2d), None
+    # An out-of-vocabulary target is a certain miss and carries no loss: only in-vocabulary rows need the head.
+    return rows[in_vocab], top, in_vocab, columns, p, selected.sum()
+
+
+def _fused_step_losses(
+    steps: list[_StepTargets], fused_head: FusedHead
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every step's mean loss and argmax from one `fused_head` call over all their rows (one cast of the head's
+    weight, one gradient for it, and larger matmuls than step by step)."""
+    counts = [rows.shape[0] for rows, *_ in steps]
+    rows = torch.cat([rows for rows, *_ in steps])  # [sum M, H]
+    p = torch.cat([p for *_, p, _ in steps])
+    columns = None if steps[0][3] is None else torch.cat([s[3] for s in steps])
+    row_loss, predicted = fused_head(rows, p, columns)  # [sum M] x2
+    losses = [part.sum() / max(n, 1) for part, n in zip(row_loss.split(counts), counts)]
+    return losses, list(predicted.split(counts))
 
 
 def simulated_acceptance_length(step_accuracy: torch.Tensor | list[float]) -> float:

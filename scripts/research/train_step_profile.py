@@ -20,6 +20,8 @@ The optimizer is the trainer's own (`create_optimizer`); nothing is saved. Timin
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import time
 
@@ -49,6 +51,7 @@ def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, im
     from transformers.trainer_utils import set_seed
 
     from eagle3_hf.commands import train as train_command
+
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.trainer import Eagle3Trainer
 
@@ -65,7 +68,22 @@ def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, im
     return Eagle3Trainer(draft, training_args, target=target, train_dataset=dataset)
 
 
-def profile(trainer, batches: int, warmup: int) -> dict:  # noqa: ANN001
+def fused_head(reference: bool, bf16: bool):  # noqa: ANN201 - the trainer's fused head and loss, or None
+    """What the trainer runs for the head and loss: `head_cross_entropy` where the tree has it (unless
+    `reference`), else None (the separate ops)."""
+    if reference or importlib.util.find_spec("eagle3_hf.training.head_loss") is None:
+        return None
+    from eagle3_hf.training.head_loss import head_cross_entropy
+
+    dtype = torch.bfloat16 if bf16 else None
+
+    def run(weight: torch.Tensor, rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None):  # noqa: ANN202
+        return head_cross_entropy(rows, weight, p, columns, dtype)
+
+    return run
+
+
+def profile(trainer, batches: int, warmup: int, reference_head: bool = False) -> dict:  # noqa: ANN001
     from eagle3_hf.training.features import online_features
     from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
@@ -78,6 +96,7 @@ def profile(trainer, batches: int, warmup: int) -> dict:  # noqa: ANN001
     clock = Clock()
     supervised = tokens = real = 0
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    fused = fused_head(reference_head, args.bf16)
     for index in range(warmup + batches):
         if index == warmup:  # the first batches pay one-time costs (allocations, prepacking)
             clock, supervised, tokens, real = Clock(), 0, 0, 0
@@ -95,7 +114,8 @@ def profile(trainer, batches: int, warmup: int) -> dict:  # noqa: ANN001
             with autocast:
                 return draft.lm_head(rows)
 
-        out = ttt_loss(states, top_logits, loss_mask, draft.t2d, args.ttt_decay, target_ids=top_ids, head=head)
+        heads = {"fused_head": functools.partial(fused, draft.lm_head.weight)} if fused else {"head": head}
+        out = ttt_loss(states, top_logits, loss_mask, draft.t2d, args.ttt_decay, target_ids=top_ids, **heads)
         clock.stop("head + loss")
         (out.loss / args.gradient_accumulation_steps).backward()
         clock.stop("backward")
@@ -113,7 +133,7 @@ def profile(trainer, batches: int, warmup: int) -> dict:  # noqa: ANN001
     return {"batches": batches, "batch_size": args.per_device_train_batch_size, "threads": torch.get_num_threads(),
             "supervised_tokens": supervised, "tokens": tokens, "padding_share": 1 - real / tokens,
             "cpu_s_per_1k_supervised": 1000 * total / supervised, "seconds_per_batch": total / batches,
-            "parts": rows}  # fmt: skip
+            "head": "separate ops" if fused is None else "fused", "parts": rows}  # fmt: skip
 
 
 def format_table(report: dict) -> str:
@@ -124,29 +144,48 @@ def format_table(report: dict) -> str:
     lines.append(f"| **step (all parts)** | {report['seconds_per_batch']:.3f} | 100% | "
                  f"{report['cpu_s_per_1k_supervised']:.3f} |")  # fmt: skip
     lines.append("")
-    lines.append(f"{report['batches']} micro-batches of {report['batch_size']}, {report['threads']} thread(s): "
+    lines.append(f"Head and loss: {report.get('head', 'separate ops')}. "
+                 f"{report['batches']} micro-batches of {report['batch_size']}, {report['threads']} thread(s): "
                  f"{report['supervised_tokens']:,} supervised of {report['tokens']:,} computed tokens; "
                  f"{100 * report['padding_share']:.1f}% of computed tokens are padding.")  # fmt: skip
     return "\n".join(lines)
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options this script shares with `train_throughput`: the report file and the train arguments."""
+    parser.add_argument("--json", help="also write the report to this file")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `eagle3-hf train` arguments")
+
+
+def train_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The `eagle3-hf train` arguments given after ``--`` (an error if there are none)."""
+    train_argv = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if not train_argv:
+        parser.error("give the `eagle3-hf train` arguments after `--`.")
+    return train_argv
+
+
+def write_report(path: str | None, report: dict) -> None:
+    """Write `report` as JSON to `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=12, help="micro-batches timed (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2, help="micro-batches run first and not timed")
-    parser.add_argument("--json", help="also write the report here")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then `eagle3-hf train` arguments")
+    parser.add_argument("--reference-head", action="store_true",
+                        help="run the head and loss as separate ops (the step before the fused head)")
+    add_run_options(parser)
     args = parser.parse_args()
     if args.batches < 1 or args.warmup < 0:
         parser.error(f"--batches must be >= 1 and --warmup >= 0, got {args.batches} and {args.warmup}.")
-    train_argv = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if not train_argv:
-        parser.error("give the `eagle3-hf train` arguments after `--`.")
-    report = profile(build_trainer(train_argv), args.batches, args.warmup)
+    trainer = build_trainer(train_arguments(parser, args))
+    report = profile(trainer, args.batches, args.warmup, args.reference_head)
     print(format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(args.json, report)
     return 0
 
 

@@ -1,0 +1,158 @@
+"""The draft head and its soft-label cross entropy as one autograd function, over the rows that carry loss.
+
+Written as separate ops (``lm_head`` under autocast, ``.float()``, ``log_softmax``, ``gather``), the head and loss of a
+TTT step spend more time on elementwise passes over the ``[M, Vd]`` logits (16,384 draft ids) than on the matmul:
+the log-softmax and its backward read and write that block several times, the gather's backward fills a zero block
+of the same size, and the autocast cast of the fp32 head weight (``[Vd, H]``) and of its gradient back are paid at
+every TTT step. `head_cross_entropy` instead
+
+* casts the weight to the compute dtype once for all the rows it is given (the caller passes every step's rows);
+* computes, chunk by chunk of rows (so the fp32 working block stays small), the logits, the row's loss
+  ``logsumexp(z) * sum(p) - p . z[columns]`` (= ``-(p * log_softmax(z)[columns]).sum()``), the argmax, and the
+  gradient with respect to the logits, ``softmax(z) * sum(p) - scatter(p)``, which is known in the forward because the
+  loss is the function's last op; it is kept in the compute dtype;
+* leaves the backward two matmuls, with the upstream per-row weights (the step's decay and mean) applied to the
+  narrow ``[M, H]`` side instead of the ``[M, Vd]`` block.
+
+The objective, and the rounding points of the bf16 path (logits in bf16, softmax in fp32, the gradient of the logits
+rounded to bf16 before the matmuls), are those of the separate ops; ``tests/test_train_fast_step.py`` checks loss and
+gradients against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fused_head_applies", "head_cross_entropy"]
+
+DEFAULT_CHUNK_ROWS = 256
+
+
+_BLOCK = 128
+
+
+def _row_max(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z.max(-1)`` of a ``[c, V]`` block (the first index among equal maxima), in about a third of its time: the
+    maxima of 128-wide blocks (`amax`, a vectorised pass without indices), then the index inside the winning block."""
+    rows, width = z.shape
+    if width % _BLOCK or rows == 0:
+        return z.max(-1)
+    blocks = z.view(rows, width // _BLOCK, _BLOCK)
+    top, block = blocks.amax(-1).max(-1)  # [c] x2
+    within = blocks[torch.arange(rows, device=z.device), block].argmax(-1)  # [c]
+    return top, block * _BLOCK + within
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        rows: torch.Tensor,
+        weight: torch.Tensor,
+        columns: torch.Tensor | None,
+        p: torch.Tensor,
+        compute_dtype: torch.dtype,
+        chunk_rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(rows.device.type, enabled=False):  # the dtypes below are chosen, not autocast's
+            x = rows.detach().to(compute_dtype)  # [M, H]
+            w = weight.detach().to(compute_dtype)  # [Vd, H]
+            count = x.shape[0]
+            wide = torch.promote_types(compute_dtype, torch.float32)  # softmax and loss: fp32 at least
+            row_loss = x.new_empty(count, dtype=wide)
+            predicted = torch.empty(count, dtype=torch.long, device=x.device)
+            grad_logits = x.new_empty(count, w.shape[0])  # [M, Vd] d row_loss / d logits, compute dtype
+            # Work blocks allocated once and reused by every chunk: fresh blocks of this size would come from mmap
+            # and cost page faults at every chunk.
+            logits = x.new_empty(min(chunk_rows, count), w.shape[0])  # [c, Vd] compute dtype
+            # oneDNN's bf16 matmul runs about twice as fast with both operands contiguous as with a transposed one.
+            w_t = w.T.contiguous()  # [H, Vd]
+            work = x.new_empty(logits.shape, dtype=wide)  # [c, Vd]
+            for start in range(0, count, chunk_rows):
+                part = slice(start, start + chunk_rows)
+                n = x[part].shape[0]
+                z = torch.mm(x[part], w_t, out=logits[:n])  # as the head under autocast gives it
+                e = work[:n].copy_(z)
+                top, predicted[part] = _row_max(e)
+                e.sub_(top[:, None]).exp_()  # exp(z - max)
+                total = e.sum(-1)  # [c]
+                lse = top + total.log()
+                weights = p[part]  # [c, k] (sparse, at `columns`) or [c, Vd] (dense)
+                mass = weights.sum(-1)  # [c], 1 for a softmax label
+                if columns is None:
+                    picked = z.to(wide)
+                else:
+                    picked = z.gather(1, columns[part]).to(wide)  # [c, k]
+                row_loss[part] = mass * lse - (weights * picked).sum(-1)
+                e.mul_((mass / total)[:, None])  # softmax(z) * sum(p)
+                if columns is None:
+                    e.sub_(weights)
+                else:
+                    e.scatter_add_(1, columns[part], -weights)
+                grad_logits[part].copy_(e)
+        ctx.save_for_backward(x, w, grad_logits)
+        ctx.dtypes = (rows.dtype, weight.dtype)
+        ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.mark_non_differentiable(predicted)
+        return row_loss, predicted
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, _grad_predicted: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, w, grad_logits = ctx.saved_tensors
+        rows_dtype, weight_dtype = ctx.dtypes
+        scale = grad_loss[:, None]  # [M, 1] upstream weight of each row, in the loss's (wide) dtype
+        grad_rows = grad_weight = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs[0]:
+                grad_rows = ((grad_logits @ w).to(scale.dtype) * scale).to(rows_dtype)  # [M, H]
+            if ctx.needs[1]:
+                # [H, M] @ [M, Vd] with the small operand made contiguous (as for w_t), then transposed back.
+                scaled = (x.to(scale.dtype) * scale).to(x.dtype).T.contiguous()  # [H, M]
+                grad_weight = (scaled @ grad_logits).T.contiguous().to(weight_dtype)
+        return grad_rows, grad_weight, None, None, None, None
+
+
+def fused_head_applies(head: torch.nn.Module) -> bool:
+    """Whether `head` is a plain bias-free linear layer (FSDP2's wrapped class included) that `head_cross_entropy`
+    can stand in for; an adapter-wrapped head (LoRA) keeps the separate ops."""
+    return isinstance(head, torch.nn.Linear) and head.bias is None
+
+
+def head_cross_entropy(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    p: torch.Tensor,
+    columns: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row soft cross entropy of the bias-free head ``rows @ weight.T``: ``(row_loss [M], argmax [M])``, the
+    loss in fp32 (or the compute dtype if wider).
+
+    Args:
+        rows: ``[M, H]`` head inputs.
+        weight: ``[Vd, H]`` the head's weight (its gradient is returned in its dtype).
+        p: ``[M, k]`` the soft label's probabilities at `columns`, or ``[M, Vd]`` over every draft id (`columns`
+            `None`); a row's loss is ``-(p * log_softmax(logits)[columns]).sum()``.
+        columns: ``[M, k]`` draft ids of `p`'s entries (repeats allowed: their weights add).
+        compute_dtype: dtype of the matmuls and of the kept gradient of the logits (bf16 under bf16 autocast);
+            default the weight's.
+        chunk_rows: rows whose ``[rows, Vd]`` logits are worked on at a time.
+
+    The argmax is the draft's top id per row (no gradient). Differentiable with respect to `rows` and `weight`.
+    """
+    if rows.dim() != 2 or weight.dim() != 2 or rows.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"head_cross_entropy needs rows [M, H] and weight [Vd, H]; got {tuple(rows.shape)} and "
+            f"{tuple(weight.shape)}."
+        )
+    expected = (rows.shape[0], weight.shape[0]) if columns is None else tuple(columns.shape)
+    if tuple(p.shape) != expected or (columns is not None and columns.shape[0] != rows.shape[0]):
+        raise ValueError(f"p has shape {tuple(p.shape)}, expected {expected} for {rows.shape[0]} rows.")
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}.")
+    compute_dtype = compute_dtype or weight.dtype
+    wide = torch.promote_types(compute_dtype, torch.float32)
+    return _HeadCrossEntropy.apply(rows, weight, columns, p.to(wide), compute_dtype, chunk_rows)
