@@ -371,13 +371,6 @@ def pair():
     return make_pair("llama")
 
 
-def test_refuses_a_batch(pair):
-    target, draft = pair
-    ids = torch.randint(0, V, (2, 5))
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4)
-
-
 @pytest.mark.parametrize("options", [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True)])
 def test_refuses_beams_and_several_sequences_by_name(pair, options):
     target, draft = pair

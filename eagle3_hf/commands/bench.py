@@ -36,6 +36,9 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--lookup-total-tokens", type=int, default=None,
                         help="lookup_tree size, root included (default 16)")  # fmt: skip
     add_exact_verify_argument(parser)
+    parser.add_argument("--batch-size", default=None,
+                        help="comma-separated batch sizes (e.g. 1,4,8): the batched benchmark instead, plain batched "
+                        "generate() in fp32 and bf16 against EAGLE-3 over left-padded batches of mixed-length prompts")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--markdown", default=None, help="write the README numbers table (markdown) here")
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here (needs [plot])")
@@ -63,6 +66,15 @@ def _check_options(args: Any) -> tuple[str, ...]:
                         ("--lookup-branches", args.lookup_branches)):  # fmt: skip
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
+    if args.batch_size is not None:
+        try:
+            sizes = [int(size) for size in args.batch_size.split(",") if size.strip()]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"--batch-size takes comma-separated sizes >= 1 (e.g. 1,4,8), got {args.batch_size!r}.")
+        if args.plot or args.model_card:
+            raise ValueError("--plot and --model-card describe the batch-1 benchmark; drop them with --batch-size.")
     if args.lookup_total_tokens is not None and args.lookup_total_tokens < 2:
         raise ValueError(f"--lookup-total-tokens must be >= 2 (the root and one node), got {args.lookup_total_tokens}.")
     if args.plot:
@@ -82,6 +94,8 @@ def _check_options(args: Any) -> tuple[str, ...]:
 
 def run_cli(args: Any) -> int:
     methods = _check_options(args)
+    if args.batch_size is not None:
+        methods = ("plain", "eagle3_tree")  # what the batched benchmark compares
     import torch
 
     from eagle3_hf.benchmark import (
@@ -129,6 +143,8 @@ def run_cli(args: Any) -> int:
         }.items()
         if v is not None
     }  # fmt: skip
+    if args.batch_size is not None:
+        return _run_batched(args, targets, drafts[spec_dtype], spec_dtype, prompts, tree_kwargs)
     report = run_benchmark(
         targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats,
         lookup_kwargs=lookup_kwargs,
@@ -162,4 +178,28 @@ def run_cli(args: Any) -> int:
             f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown
         ) + f" --dtype {args.dtype}"
         print(f"Model card written to {write_bench_card(args.draft, report, bench_command=command)}")
+    return 0
+
+
+def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts: list, tree_kwargs: dict) -> int:
+    """`--batch-size`: the batched benchmark (`eagle3_hf.batch_bench`), its table printed and written."""
+    from eagle3_hf.batch_bench import format_batch_table, run_batch_benchmark
+    from eagle3_hf.benchmark import environment
+    from eagle3_hf.outputs import staged_file
+    from eagle3_hf.targets import load_tokenizer
+
+    tokenizer = load_tokenizer(args.target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sizes = [int(size) for size in args.batch_size.split(",") if size.strip()]
+    report = run_batch_benchmark(targets, draft, spec_dtype, prompts, sizes, args.max_new_tokens, tree_kwargs,
+                                 args.repeats, pad_id or 0)  # fmt: skip
+    report["environment"] = environment()
+    table = format_batch_table(report)
+    print(table)
+    if args.json:
+        with staged_file(args.json) as temporary, open(temporary, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.markdown:
+        with staged_file(args.markdown) as temporary, open(temporary, "w") as f:
+            f.write(table + "\n")
     return 0

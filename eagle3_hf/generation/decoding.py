@@ -11,7 +11,8 @@ uses for `custom_generate` folders shipped with a model -- to a thin wrapper: wi
 `custom_generate=eagle3_decoding`; otherwise it calls it unchanged. Nothing in transformers is
 patched, and it only relies on the public `custom_generate` contract.
 
-The loop (batch size 1): prefill the target, collecting the three tapped hidden states; then per
+A batch of several (left-padded) prompts goes to batched.py, the same cycle over every row at once. The loop
+for one prompt: prefill the target, collecting the three tapped hidden states; then per
 cycle draft a tree (drafting.py), verify all its nodes in one target forward with a 4D tree mask
 and depth positions, accept the longest valid path (verification.py), keep only the accepted KV
 entries, and feed the accepted tokens' tapped features -- taken from that same forward -- to the draft.
@@ -35,6 +36,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from eagle3_hf.generation.batched import batched_decoding, refuse_unsupported, sequences as batched_sequences
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
 from eagle3_hf.generation.exact_attention import exact_verification
@@ -78,6 +80,9 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
         accept_sources: per cycle, `(draft, lookup, both)`: how many of its accepted tree tokens (the bonus token
             excluded) the draft proposed, the context lookup proposed, or both did.
         accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
+
+    A batch of B > 1 prompts gives `accept_lengths` and `tree_sizes` per row (a list each), the batch's times, no
+    lookup statistics and no cache.
     """
 
     accept_lengths: list[int] | None = None
@@ -278,11 +283,6 @@ def eagle3_decoding(
         raise ValueError(
             f"EAGLE-3 decoding returns one sequence; got num_return_sequences={generation_config.num_return_sequences}."
         )
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"EAGLE-3 tree decoding supports batch size 1; got a batch of {input_ids.shape[0]}. "
-            "Generate the prompts one at a time."
-        )
     budget = TreeBudget(
         depth=defaults["depth"] if tree_depth is None else tree_depth,
         top_k=defaults["top_k"] if tree_top_k is None else tree_top_k,
@@ -295,6 +295,11 @@ def eagle3_decoding(
         )
     do_sample = bool(generation_config.do_sample)
     return_dict = bool(generation_config.return_dict_in_generate)
+    if input_ids.shape[0] > 1:
+        cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+        return _decode_batch(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
+                             cache, model_kwargs.get("attention_mask"), eagle3_streamer, context_lookup,
+                             exact_verify, adaptive_tree)  # fmt: skip
     start = _left_padding(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     lookup = None
@@ -352,6 +357,24 @@ def _decode(run: DecodeRun) -> None:
         run.accept_lengths.append(emitted)
         if emitted < len(new_tokens):
             crop_cache(run.cache, past + emitted)
+
+
+def _decode_batch(
+    model: PreTrainedModel, draft: Eagle3DraftModel | None, input_ids: torch.Tensor, logits_processor: Any,
+    stopping_criteria: Any, generation_config: GenerationConfig, budget: TreeBudget, cache: Any,
+    attention_mask: torch.Tensor | None, streamer: Any, context_lookup: bool, exact_verify: bool | None,
+    adaptive_tree: bool,
+) -> torch.LongTensor | Eagle3GenerateOutput:
+    """A batch of B > 1 prompts (batched.py), after refusing what that loop does not do yet."""
+    refuse_unsupported(input_ids.shape[0], draft, context_lookup, exact_verify, generation_config)
+    run = batched_decoding(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
+                           cache, attention_mask, streamer, adaptive_tree)  # fmt: skip
+    if not generation_config.return_dict_in_generate:
+        return batched_sequences(run)
+    return Eagle3GenerateOutput(
+        sequences=batched_sequences(run), accept_lengths=run.accept_lengths, tree_sizes=run.tree_sizes,
+        draft_time=run.draft_time, verify_time=run.verify_time, prefill_time=run.prefill_time,
+    )  # no cache: the loop drops finished rows from it, so it no longer matches the output's rows
 
 
 def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:

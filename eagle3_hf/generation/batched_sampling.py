@@ -1,0 +1,135 @@
+"""Sampled draft trees for a batch: `drafting.build_sampled_tree`'s rule per row, one draft forward per level.
+
+Each row keeps the batch-1 rule that keeps recursive rejection sampling exact: a node's children are drawn without
+replacement from the draft distribution stored for it, every drawn child is kept, and which nodes grow (and how
+many children they get) is decided before drawing them. Rows differ in how many nodes they expand at a level (their
+budgets and supports differ), so each level feeds `kf = max` rows' frontiers, shorter frontiers padded with dummy
+rows that see only themselves; every level's nodes take `kf` fresh scratch columns after the verified pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle3_hf.generation.batched_draft import BatchDraftState, batched_draft_forward
+from eagle3_hf.generation.drafting import TreeBudget
+from eagle3_hf.generation.tree import DraftTree, sample_children
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
+
+__all__ = ["build_sampled_trees"]
+
+
+@dataclass
+class _RowTree:
+    """One row's tree as it grows (lists, as in the batch-1 builder)."""
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    scores: list[float] = field(default_factory=lambda: [0.0])
+    q_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> draft distribution over target ids
+    hidden_of: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> its parent's draft output [H]
+    column: dict[int, int] = field(default_factory=dict)  # fed node -> its scratch column (after the prefix)
+    level_nodes: list[int] = field(default_factory=list)
+    remaining: int = 0
+
+    def add_children(self, draft: Eagle3DraftModel, node: int, q_draft: torch.Tensor, count: int) -> list[int]:
+        ids = sample_children(torch.log(q_draft), count)  # draft ids, draw order
+        new = []
+        for d in ids.tolist():
+            self.parents.append(node)
+            self.scores.append(self.scores[node] + float(torch.log(q_draft[d])))
+            self.tokens.append(int(draft.draft_to_target_ids(torch.tensor([d], device=q_draft.device))))
+            new.append(len(self.parents) - 1)
+        self.remaining -= len(new)
+        return new
+
+
+@torch.no_grad()
+def build_sampled_trees(
+    draft: Eagle3DraftModel, state: BatchDraftState, roots: torch.Tensor, budget: TreeBudget, temperature: float
+) -> list[DraftTree]:
+    """A sampled tree per active row (roots `[A]`), each carrying `draft_probs` `[T, V]` as the batch-1 one does."""
+    device = roots.device
+    vocab = draft.config.vocab_size
+    to_target = draft.draft_to_target_ids(torch.arange(state.last_logits.shape[-1], device=device))
+
+    def over_target(q: torch.Tensor) -> torch.Tensor:  # [n, Vd] draft probabilities -> [n, V]
+        full = torch.zeros(q.shape[0], vocab, device=device)
+        full[:, to_target] = q
+        return full
+
+    q_root = torch.softmax(state.last_logits.float() / temperature, dim=-1)  # [A, Vd]
+    q_root_full = over_target(q_root)
+    rows: list[_RowTree] = []
+    for r, root in enumerate(roots.tolist()):
+        row = _RowTree(tokens=[root], remaining=budget.total_tokens - 1)
+        row.q_rows[0] = q_root_full[r]
+        count = min(budget.top_k, row.remaining, int((q_root[r] > 0).sum()))
+        row.level_nodes = row.add_children(draft, 0, q_root[r], count)
+        row.hidden_of = {n: state.last_hidden[r, 0] for n in row.level_nodes}
+        rows.append(row)
+    prefix, fed = state.kv.length, 0
+    for level in range(1, budget.depth):
+        frontiers = [_frontier(row, budget) for row in rows]
+        kf = max(len(f) for f in frontiers)
+        if kf == 0:
+            break
+        allowed = torch.zeros(len(rows), kf, fed + kf, dtype=torch.bool, device=device)
+        tokens = torch.zeros(len(rows), kf, dtype=torch.long, device=device)
+        hidden = state.last_hidden.new_zeros(len(rows), kf, state.last_hidden.shape[-1])
+        for r, (row, frontier) in enumerate(zip(rows, frontiers)):
+            for i, node in enumerate(frontier):
+                a = row.parents[node]
+                while a > 0:  # its fed ancestors
+                    allowed[r, i, row.column[a]] = True
+                    a = row.parents[a]
+                row.column[node] = fed + i
+                tokens[r, i] = row.tokens[node]
+                hidden[r, i] = row.hidden_of[node]
+        allowed[:, :, fed:] |= torch.eye(kf, dtype=torch.bool, device=device)  # itself (dummy rows: only itself)
+        allowed = torch.cat([state.valid[:, None, :].expand(-1, kf, -1), allowed], dim=2)
+        state.forward_calls += 1
+        normed, feedback = batched_draft_forward(
+            draft, state.kv, tokens, hidden, (state.positions + level - 1)[:, None].expand(-1, kf), prefix + fed,
+            additive_mask(allowed, hidden.dtype),
+        )  # fmt: skip
+        fed += kf
+        q_levels = torch.softmax(draft.lm_head(normed).float() / temperature, dim=-1)  # [A, kf, Vd]
+        for r, (row, frontier) in enumerate(zip(rows, frontiers)):
+            q_full = over_target(q_levels[r, : len(frontier)])
+            next_level: list[int] = []
+            for i, node in enumerate(frontier):
+                if row.remaining <= 0:
+                    break
+                count = min(budget.top_k, row.remaining, int((q_levels[r, i] > 0).sum()))
+                row.q_rows[node] = q_full[i]
+                children = row.add_children(draft, node, q_levels[r, i], count)
+                for c in children:
+                    row.hidden_of[c] = feedback[r, i]
+                next_level.extend(children)
+            if frontier:
+                row.level_nodes = next_level
+    return [_tree(row, vocab, device) for row in rows]
+
+
+def _frontier(row: _RowTree, budget: TreeBudget) -> list[int]:
+    """The nodes this row expands at the next level: its best `top_k` of the current one (none once out of budget)."""
+    if row.remaining <= 0 or not row.level_nodes:
+        return []
+    best = max(row.scores[n] for n in row.level_nodes)
+    if budget.grow is not None and not budget.grow(float(torch.tensor(best).exp()), len(row.parents) - 1):
+        row.level_nodes = []
+        return []
+    return sorted(row.level_nodes, key=lambda n: (-row.scores[n], n))[: budget.top_k]
+
+
+def _tree(row: _RowTree, vocab: int, device: torch.device) -> DraftTree:
+    draft_probs = torch.zeros(len(row.parents), vocab, device=device)
+    for node, q in row.q_rows.items():
+        draft_probs[node] = q
+    return DraftTree.from_parents(
+        tokens=torch.tensor(row.tokens, device=device), parents=torch.tensor(row.parents, device=device),
+        scores=torch.tensor(row.scores, device=device), draft_probs=draft_probs,
+    )

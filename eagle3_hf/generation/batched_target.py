@@ -1,0 +1,168 @@
+"""The target side of batched EAGLE-3 decoding: a shared KV cache whose columns are per-row positions or holes.
+
+After the prefill, column `c` of row `b` holds the prompt token at `c` (or left padding). Each cycle the target
+verifies every row's tree in one forward, which appends the `T` (padded) tree nodes of every row as new columns;
+then `keep_paths` keeps, per row, its accepted path at the start of that block and marks the rest as holes. A hole
+-- left padding, a rejected node, a dummy node of a shorter tree -- is masked out of every later attention, exactly
+as generate() masks left padding, and positions are carried per column, so sliding windows see true distances.
+`compact` moves each row's valid columns together, dropping the columns no row needs, when those pile up.
+
+Shapes: A active rows, S cache columns, T tree nodes per row (the largest tree; shorter ones get dummy nodes that
+attend only to themselves and whose outputs are ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation import LogitsProcessorList
+
+from eagle3_hf.generation.tree import DraftTree, tree_attention_mask
+
+__all__ = ["PaddedTrees", "TargetColumns", "keep_paths", "pad_trees", "processed_nodes", "verify_mask"]
+
+
+@dataclass
+class TargetColumns:
+    """What the shared target cache's columns mean, per active row."""
+
+    valid: torch.Tensor  # [A, S] bool: a real token of that row (not padding, not a hole)
+    positions: torch.Tensor  # [A, S] long: that token's position (anything for a hole)
+    next_position: torch.Tensor  # [A] long: tokens of the row in the cache = the position of its root
+
+    @classmethod
+    def from_prompt(cls, attention_mask: torch.Tensor) -> TargetColumns:
+        valid = attention_mask.bool()
+        positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        return cls(valid=valid, positions=positions, next_position=valid.sum(dim=1))
+
+    def select_rows(self, cache: DynamicCache, rows: torch.Tensor) -> None:
+        for layer in _layers(cache):
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        self.valid, self.positions = self.valid[rows], self.positions[rows]
+        self.next_position = self.next_position[rows]
+
+    def compact(self, cache: DynamicCache) -> None:
+        """Per row, its valid columns in order, right-aligned after the fewest holes any row needs."""
+        keep = int(self.valid.sum(dim=1).max())
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.valid.shape[1] - keep :]
+        for layer in _layers(cache):
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        self.valid, self.positions = self.valid.gather(1, order), self.positions.gather(1, order)
+
+
+@dataclass
+class PaddedTrees:
+    """Every active row's tree, padded to T nodes."""
+
+    tokens: torch.Tensor  # [A, T]
+    positions: torch.Tensor  # [A, T] root position + depth (dummy nodes: the root's)
+    mask: torch.Tensor  # [A, T, T] bool: a node sees itself and its ancestors; a dummy node only itself
+    sizes: list[int]  # real nodes per row
+
+
+def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTrees:
+    width = max(tree.num_nodes for tree in trees)
+    rows = len(trees)
+    device = next_position.device
+    tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
+    depths = torch.zeros(rows, width, dtype=torch.long, device=device)
+    mask = torch.eye(width, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+    for row, tree in enumerate(trees):
+        n = tree.num_nodes
+        tokens[row, :n] = tree.tokens
+        depths[row, :n] = tree.depths
+        if n > 1:
+            mask[row, :n, :n] = tree_attention_mask(tree.parents)
+    return PaddedTrees(tokens=tokens, positions=next_position[:, None] + depths, mask=mask,
+                       sizes=[tree.num_nodes for tree in trees])  # fmt: skip
+
+
+def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, config: Any) -> Any:
+    """Additive 4D mask `[A, 1, T, S + T]` for the verify forward (a per-layer-type dict for targets that mix
+    sliding-window and full layers, as steps.py builds for one row)."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if window and layer_types and "sliding_attention" in layer_types:
+        sliding = _mask(columns, trees, dtype, window)
+        return {"full_attention": _mask(columns, trees, dtype), "sliding_attention": sliding}
+    if window and not layer_types and getattr(text, "use_sliding_window", True):
+        return _mask(columns, trees, dtype, window)
+    return _mask(columns, trees, dtype)
+
+
+def _mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    rows, width = trees.tokens.shape
+    visible = torch.cat([columns.valid[:, None, :].expand(rows, width, -1), trees.mask], dim=2)  # [A, T, S + T]
+    if window is not None:
+        keys = torch.cat([columns.positions, trees.positions], dim=1)  # [A, S + T]
+        visible = visible & (trees.positions[:, :, None] - keys[:, None, :] < window)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def keep_paths(
+    cache: DynamicCache, columns: TargetColumns, start: int, paths: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """After a verify forward appended T columns at `start`: keep each row's accepted `paths[row]` (node indices, root
+    first) at the start of a block of `max(len(path))` columns, the rest of the block holes; drop the other columns.
+
+    Returns the gather index `[A, W]` (node per kept column; 0 for a hole) and the kept columns `[A, W]` bool, and
+    updates `columns`; the caller reuses them for the accepted nodes' features. Entries in place are not moved."""
+    rows = len(paths)
+    width = max(len(path) for path in paths)
+    device = columns.valid.device
+    index = torch.zeros(rows, width, dtype=torch.long, device=device)
+    keep = torch.zeros(rows, width, dtype=torch.bool, device=device)
+    for row, path in enumerate(paths):
+        index[row, : len(path)] = torch.tensor(path, device=device)
+        keep[row, : len(path)] = True
+    if any(path != list(range(len(path))) for path in paths):
+        for layer in _layers(cache):
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                block = tensor[:, :, start:]
+                gather = index[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
+                tensor[:, :, start : start + width] = block.gather(2, gather)
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[:, :, : start + width], layer.values[:, :, : start + width]
+    steps = torch.arange(width, device=device)
+    columns.valid = torch.cat([columns.valid, keep], dim=1)
+    columns.positions = torch.cat([columns.positions, columns.next_position[:, None] + steps[None]], dim=1)
+    columns.next_position = columns.next_position + keep.sum(dim=1)
+    return index, keep
+
+
+def processed_nodes(
+    processors: LogitsProcessorList, prefix: torch.Tensor, tree: DraftTree, logits: torch.Tensor, row: int,
+    batch_size: int,
+) -> torch.Tensor:
+    """Every node's fp32 logits `[T, V]` after the processors, each given its own path as input_ids (`prefix`
+    `[1, L]` ends with the root), as plain decoding would process batch row `row` at that point of the sequence.
+
+    generate() builds some processors with per-row state (repetition penalty: each row's padding length), so each
+    call gets the whole batch's shape, the row repeated, and keeps row `row` of the result."""
+    logits = logits.float()
+    if len(processors) == 0:
+        return logits
+    parents = tree.parents.tolist()
+    paths: list[list[int]] = [[]]  # the nodes below the root on each node's path
+    for node in range(1, len(parents)):
+        paths.append(paths[parents[node]] + [node])
+    rows = []
+    for node, path in enumerate(paths):
+        ids = prefix
+        if path:
+            ids = torch.cat([prefix, tree.tokens[torch.tensor(path, device=prefix.device)][None].to(prefix.dtype)], 1)
+        scores = logits[node : node + 1].expand(batch_size, -1).clone()
+        rows.append(processors(ids.expand(batch_size, -1), scores)[row])
+    return torch.stack(rows)
+
+
+def _layers(cache: DynamicCache) -> list[Any]:
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]

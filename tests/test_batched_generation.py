@@ -1,0 +1,316 @@
+"""Batched EAGLE-3 in `target.generate(input_ids, attention_mask=mask, assistant_model=draft)` (fp32).
+
+A left-padded batch of prompts of different lengths decodes, row by row, to each prompt's own plain greedy output,
+for tiny random targets of every family (Mistral and Gemma3 decode past their 5-token sliding window); rows stop at
+different steps (EOS, stop strings) and are padded as plain batched generate() pads them; the left padding's token
+values and amount change nothing (it never reaches the target's attention or the draft).
+"""
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+from test_sampling import CHI2_CRITICAL_0001, N, chi_square, exact_law_of_tokens_2_and_3
+from test_sampling import TREES as SAMPLED_TREES, V as SV, models  # noqa: F401 (models: the sampling fixture)
+from test_generation import FAMILIES, NEW, TREES, V, eagle, first_new_token_at, letter_tokenizer, make_pair, plain
+from test_generation import smollm2  # noqa: F401 (the SmolLM2 fixture)
+from eagle3_hf.generation import batched
+
+LENGTHS = (3, 7, 12, 20)
+
+
+def left_padded(prompts, pad=0, extra=0):
+    """`(ids, mask)` `[B, longest + extra]`: each prompt right-aligned after `pad` ids."""
+    width = max(p.shape[1] for p in prompts) + extra
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1] :] = prompt[0]
+        mask[row, width - prompt.shape[1] :] = 1
+    return ids, mask
+
+
+def unpadded(sequences, mask, row):
+    width = mask.shape[1]
+    return sequences[row, width - int(mask[row].sum()) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def cases():
+    built = {}
+
+    def get(family):
+        if family not in built:
+            target, draft = make_pair(family)
+            generator = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, V, (1, n), generator=generator) for n in LENGTHS]
+            built[family] = target, draft, prompts, [plain(target, p, max_new_tokens=NEW) for p in prompts]
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("tree", ["wide", "deep", "chain", "adaptive"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
+    target, draft, prompts, references = cases(family)
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True, **TREES[tree])  # fmt: skip
+    assert out.sequences.shape == (len(prompts), ids.shape[1] + NEW)
+    for row, reference in enumerate(references):
+        assert unpadded(out.sequences, mask, row) == reference[0].tolist(), f"row {row} ({LENGTHS[row]} tokens)"
+    # per-row statistics: every row's cycles add up to its generated tokens (the prefill's token is not a cycle)
+    assert len(out.accept_lengths) == len(prompts)
+    assert all(sum(lengths) == NEW - 1 for lengths in out.accept_lengths)
+    assert all(len(sizes) == len(lengths) for sizes, lengths in zip(out.tree_sizes, out.accept_lengths))
+    if tree not in ("chain", "adaptive"):  # (the cost model may rightly decline a random draft's trees)
+        assert any(length > 1 for lengths in out.accept_lengths for length in lengths)  # real trees were accepted
+
+
+def test_batched_greedy_matches_batch_one_eagle(cases):
+    """The batched draft builds each row's tree as the batch-1 loop does: the same accepted lengths per cycle."""
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True, **TREES["wide"])  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        one = eagle(target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, exact_verify=False,
+                    **TREES["wide"])  # fmt: skip
+        assert one.accept_lengths == out.accept_lengths[row]
+
+
+@pytest.mark.parametrize("processor", [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2),
+                                       dict(min_new_tokens=10, eos_token_id=3, pad_token_id=V - 1)])  # fmt: skip
+def test_input_dependent_processors_see_each_rows_own_paths(cases, processor):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **processor)
+    for tree in ("wide", "deep"):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                              **processor, **TREES[tree])  # fmt: skip
+        assert out.tolist() == expected.tolist(), tree
+
+
+def test_left_padding_never_reaches_the_models(cases):
+    """Other padding ids and more padding columns change nothing."""
+    target, draft, prompts, _ = cases("mistral")
+    ids, mask = left_padded(prompts)
+    expected = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                               **TREES["wide"])  # fmt: skip
+    for pad, extra in [(7, 0), (3, 5)]:
+        other_ids, other_mask = left_padded(prompts, pad=pad, extra=extra)
+        out = target.generate(other_ids, attention_mask=other_mask, assistant_model=draft, do_sample=False,
+                              max_new_tokens=NEW, **TREES["wide"])  # fmt: skip
+        assert out[:, other_ids.shape[1] :].tolist() == expected[:, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("tree", ["wide", "deep"])
+def test_rows_stop_at_their_own_eos_and_are_padded(cases, family, tree):
+    target, draft, prompts, references = cases(family)
+    # an EOS that the first row emits early and the others later or never
+    k, eos = first_new_token_at(references[0], prompts[0].shape[1], start=3)
+    ids, mask = left_padded(prompts)
+    options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, return_dict_in_generate=True, **options,
+                          **TREES[tree])  # fmt: skip
+    assert out.sequences.tolist() == expected.tolist()
+    lengths = {len(sizes) for sizes in out.tree_sizes}
+    assert len(lengths) > 1 or expected.shape[1] < ids.shape[1] + NEW  # rows left the batch at different cycles
+    for row, prompt in enumerate(prompts):  # and each row is its own plain output up to its EOS
+        alone = plain(target, prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1)
+        mine = unpadded(out.sequences, mask, row)
+        assert mine[: alone.shape[1]] == alone[0].tolist() and set(mine[alone.shape[1] :]) <= {V - 1}
+
+
+@pytest.mark.parametrize("tree", ["wide", "deep"])
+def test_stop_strings_without_eos_let_finished_rows_run_on(cases, tree):
+    """Without an EOS criterion plain generate() does not pad finished rows: they keep their real tokens until the
+    last row stops."""
+    target, draft, prompts, references = cases("llama")
+    tokenizer = letter_tokenizer()
+    n = prompts[1].shape[1]
+    k, _ = first_new_token_at(references[1], n, start=5)
+    stops = [tokenizer.decode(references[1][0, n + k - 1 : n + k + 1])]
+    ids, mask = left_padded(prompts)
+    options = dict(max_new_tokens=NEW, stop_strings=stops, tokenizer=tokenizer, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES[tree])
+    assert out.tolist() == expected.tolist()
+    # with a pad token and an EOS that never occurs, finished rows are padded instead
+    options.update(eos_token_id=V + 5, pad_token_id=V - 1)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    assert (expected == V - 1).any()
+    assert target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES[tree]).tolist() == \
+        expected.tolist()  # fmt: skip
+
+
+def test_compacting_the_caches_changes_nothing(cases, monkeypatch):
+    """With compaction as eager as it gets (whenever a column no row needs exists), rows leaving the batch included."""
+    target, draft, prompts, references = cases("gemma3")
+    monkeypatch.setattr(batched, "COMPACT_RATIO", 0.0)
+    monkeypatch.setattr(batched, "COMPACT_MIN_COLUMNS", 1)
+    compactions = []
+    original = batched.TargetColumns.compact
+    draft_original = batched.BatchDraftState.compact
+    monkeypatch.setattr(batched.TargetColumns, "compact",
+                        lambda self, cache: compactions.append("target") or original(self, cache))
+    monkeypatch.setattr(batched.BatchDraftState, "compact",
+                        lambda self: compactions.append("draft") or draft_original(self))
+    ids, mask = left_padded(prompts)
+    k, eos = first_new_token_at(references[3], prompts[3].shape[1], start=3)  # the longest row stops early
+    options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES["deep"])
+    assert {"target", "draft"} <= set(compactions)
+    assert out.tolist() == expected.tolist()
+
+
+class Collector:
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_streamer_sees_what_plain_batched_generate_streams(cases, padded):
+    """Column by column, finished rows padded (EOS) or running on (stop strings without EOS)."""
+    target, draft, prompts, references = cases("llama")
+    ids, mask = left_padded(prompts)
+    if padded:
+        k, eos = first_new_token_at(references[0], prompts[0].shape[1], start=3)
+        options = dict(eos_token_id=eos, pad_token_id=V - 1)
+    else:
+        tokenizer, n = letter_tokenizer(), prompts[1].shape[1]
+        k, _ = first_new_token_at(references[1], n, start=5)
+        options = dict(stop_strings=[tokenizer.decode(references[1][0, n + k - 1 : n + k + 1])], tokenizer=tokenizer)
+    ours, theirs = Collector(), Collector()
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, streamer=ours, max_new_tokens=NEW,
+                          do_sample=False, **options, **TREES["wide"])  # fmt: skip
+    expected = target.generate(ids, attention_mask=mask, streamer=theirs, max_new_tokens=NEW, do_sample=False,
+                               **options)  # fmt: skip
+    assert out.tolist() == expected.tolist()
+    assert ours.puts == theirs.puts and ours.ends == theirs.ends == 1
+
+
+def test_a_text_streamer_is_refused_as_plain_generate_refuses_it(cases, tokenizer):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts[:2])
+    with pytest.raises(ValueError, match="batch size 1") as plain_error:
+        target.generate(ids, attention_mask=mask, streamer=TextStreamer(tokenizer), max_new_tokens=4)
+    with pytest.raises(ValueError, match="batch size 1") as our_error:
+        target.generate(ids, attention_mask=mask, assistant_model=draft, streamer=TextStreamer(tokenizer),
+                        max_new_tokens=4)  # fmt: skip
+    assert str(our_error.value) == str(plain_error.value)
+
+
+@pytest.mark.parametrize("options", [dict(context_lookup=True), dict(exact_verify=True),
+                                     dict(output_scores=True, return_dict_in_generate=True)])  # fmt: skip
+def test_refuses_what_the_batched_loop_does_not_do(cases, options):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts[:2])
+    with pytest.raises(ValueError, match="batch"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, **options)
+
+
+def test_refuses_right_padding(cases):
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts[:2])
+    with pytest.raises(ValueError, match="left padding"):
+        target.generate(ids, attention_mask=mask.flip(1), assistant_model=draft, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling: each row follows its own target law
+
+
+def chi_square_critical_0001(dof):
+    """Upper 0.001 quantile of the chi-square law (Wilson-Hilferty; within 1% for dof >= 10)."""
+    z = 3.090232  # the standard normal's upper 0.001 quantile
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_chi_square_critical_values():
+    for dof, exact in CHI2_CRITICAL_0001.items():
+        assert chi_square_critical_0001(dof) == pytest.approx(exact, rel=0.005)
+
+
+@pytest.mark.parametrize("tree", ["chain", "tree"])
+def test_batched_sampling_follows_each_rows_target_law(models, tree):
+    """Tokens 2 and 3 (the first cycle) of each row of a left-padded batch of three prompts against that prompt's
+    exact law, at T=0.7 with top_p=0.9 (chi-square per row, alpha 0.001; top-p's forbidden pairs never occur)."""
+    target, draft = models
+    prompts = [torch.tensor([[1, 5, 2, 7]]), torch.tensor([[3, 3, 6]]), torch.tensor([[0, 4, 1, 5, 2, 6]])]
+    ids, mask = left_padded(prompts)
+    laws = [exact_law_of_tokens_2_and_3(target, 0.7, 0.9, prompt=p) for p in prompts]
+    counts = torch.zeros(len(prompts), SV, SV, dtype=torch.float64)
+    torch.manual_seed(2000 + list(SAMPLED_TREES).index(tree))
+    cycles = []
+    for _ in range(N):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=True, top_k=0,
+                              temperature=0.7, top_p=0.9, max_new_tokens=3, adaptive_tree=False,
+                              return_dict_in_generate=True, **SAMPLED_TREES[tree])  # fmt: skip
+        for row in range(len(prompts)):
+            _, x2, x3 = out.sequences[row, ids.shape[1] :].tolist()
+            counts[row, x2, x3] += 1
+        cycles.append([len(lengths) for lengths in out.accept_lengths])
+    for row, law in enumerate(laws):
+        impossible = law == 0
+        assert bool(impossible.any()) and float(counts[row][impossible].sum()) == 0
+        stat, dof = chi_square(counts[row][~impossible], N * law[~impossible])
+        assert stat < chi_square_critical_0001(dof), f"row {row}: chi2 {stat:.1f} at {dof} dof"
+        one_cycle = sum(c[row] == 1 for c in cycles)  # a drafted token accepted in the first cycle, or not
+        assert 0.05 * N < one_cycle < 0.95 * N
+
+
+# ------------------------------------------------------------------------------------------------
+# the real target
+
+
+@pytest.mark.slow
+def test_smollm2_batch_greedy_matches_each_rows_plain_greedy(smollm2):
+    """SmolLM2-135M-Instruct (fp32) with its shipped draft, three chat prompts of different lengths, one batch."""
+    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.targets import SMOLLM2
+
+    target, _, tokenizer = smollm2
+    draft = load_draft_for(SMOLLM2, target)
+    questions = ["Name three colours.", "Write a short poem about the sea and the wind, in four lines.",
+                 "What is 12 times 7? Explain the steps."]  # fmt: skip
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
+    ids, mask = left_padded(prompts, pad=tokenizer.pad_token_id or 0)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=32,
+                          pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, adaptive_tree=False,
+                          tree_depth=4, tree_top_k=4, tree_total_tokens=12)  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        alone = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32)
+        mine = unpadded(out.sequences, mask, row)
+        assert mine[: alone.shape[1]] == alone[0].tolist(), f"row {row}"
+        assert set(mine[alone.shape[1] :]) <= {tokenizer.pad_token_id}
+    assert sum(length - 1 for lengths in out.accept_lengths for length in lengths) > 0
+
+
+def test_where_trees_do_not_pay_the_batch_runs_plain_batched_steps(cases, monkeypatch):
+    """A cost model that finds every verified token dear declines every tree: plain batched steps, same output."""
+    from eagle3_hf.generation.batched_cost import BatchCostModel
+    from eagle3_hf.generation.cost_model import LinearCost
+
+    def dear(device_type, dtype):
+        return BatchCostModel(verify=LinearCost(prior_a=1.0, prior_b=100.0))
+
+    monkeypatch.setattr(BatchCostModel, "for_batch", staticmethod(dear))
+    target, draft, prompts, references = cases("qwen2")
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True)  # fmt: skip
+    assert all(size == 1 for sizes in out.tree_sizes for size in sizes)
+    for row, reference in enumerate(references):
+        assert unpadded(out.sequences, mask, row) == reference[0].tolist()
