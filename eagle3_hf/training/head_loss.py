@@ -21,9 +21,15 @@ gradients against them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
 import torch
 
-__all__ = ["fused_head_applies", "head_cross_entropy"]
+from eagle3_hf.training.distributed import routed_forward
+
+__all__ = ["fused_head_applies", "head_cross_entropy", "ttt_head_kwargs"]
 
 DEFAULT_CHUNK_ROWS = 256
 
@@ -156,3 +162,25 @@ def head_cross_entropy(
     compute_dtype = compute_dtype or weight.dtype
     wide = torch.promote_types(compute_dtype, torch.float32)
     return _HeadCrossEntropy.apply(rows, weight, columns, p.to(wide), compute_dtype, chunk_rows)
+
+
+def ttt_head_kwargs(
+    lm_head: torch.nn.Module, autocast: Callable[[], AbstractContextManager[Any]], compute_dtype: torch.dtype | None
+) -> dict[str, Callable[..., Any]]:
+    """The head argument of `ttt_loss`: the fused head and loss where it applies (a plain ``nn.Linear``), else the head
+    module on the supervised rows under the training's autocast (a LoRA-wrapped head, the reference path)."""
+    if not fused_head_applies(lm_head):
+        def head(rows: torch.Tensor) -> torch.Tensor:
+            with autocast():
+                return lm_head(rows)
+
+        return {"head": head}
+
+    def run(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return head_cross_entropy(rows, lm_head.weight, p, columns, compute_dtype)
+
+    def fused_head(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with routed_forward(lm_head, run):  # through the module's own call, so that FSDP2 gathers its weight there
+            return lm_head(rows, p, columns)
+
+    return {"fused_head": fused_head}

@@ -39,7 +39,7 @@ from eagle3_hf.training.distributed import (
     shard_frozen_target,
 )
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-from eagle3_hf.training.head_loss import fused_head_applies, head_cross_entropy
+from eagle3_hf.training.head_loss import ttt_head_kwargs
 from eagle3_hf.training.features import _base_draft, online_features
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
@@ -301,30 +301,11 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
             )  # fmt: skip
             device = states[0].device.type
             compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        heads: dict[str, Any] = {"head": functools.partial(self._head, draft)}
-        if fused_head_applies(draft.lm_head):
-            heads = {"fused_head": functools.partial(self._fused_head, draft.lm_head, compute_dtype)}
+        heads = ttt_head_kwargs(draft.lm_head, self.accelerator.autocast, compute_dtype)
         return ttt_loss(
             states, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
             target_ids=batch["target_top_ids"], **heads,
         )  # fmt: skip
-
-    def _head(self, draft: Eagle3DraftModel, rows: torch.Tensor) -> torch.Tensor:
-        """The draft head on the supervised rows (the reference path), under the training's autocast."""
-        with self.accelerator.autocast():
-            return draft.lm_head(rows)
-
-    @staticmethod
-    def _fused_head(
-        lm_head: nn.Linear, compute_dtype: torch.dtype | None, rows: torch.Tensor, p: torch.Tensor,
-        columns: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head and loss in one call, through the head module's own call so that FSDP2 gathers its weight there."""
-        def run(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return head_cross_entropy(rows, lm_head.weight, p, columns, compute_dtype)
-
-        with routed_forward(lm_head, run):
-            return lm_head(rows, p, columns)
 
     def compute_loss(
         self,
