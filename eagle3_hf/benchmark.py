@@ -171,7 +171,9 @@ def run_benchmark(
         common.update(temperature=temperature, top_k=0)
     eagle = next((c for c in configs if c.method in DRAFT_METHODS), None)
     depth = tree_kwargs.get("tree_depth", drafts[eagle.dtype].config.tree_depth) if eagle else 0
+    # the draft-only methods name `context_lookup=False`, since generate() grafts the lookup in by default
     chain_kwargs = {k: v for k, v in tree_kwargs.items() if k not in ("tree_top_k", "tree_total_tokens")}
+    chain_kwargs["context_lookup"] = False
     lookup_kwargs = dict(lookup_kwargs or {})
     hybrid_kwargs = dict(tree_kwargs, context_lookup=True, **{
         k: v for k, v in (("lookup_depth", lookup_kwargs.get("tree_depth")),
@@ -199,7 +201,8 @@ def run_benchmark(
                 ids, assistant_model=draft, return_dict_in_generate=True, tree_top_k=1,
                 tree_total_tokens=depth + 1, **dict(chain_kwargs, adaptive_tree=False), **kwargs,
             )  # fmt: skip
-        return target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **tree_kwargs, **kwargs)
+        return target.generate(ids, assistant_model=draft, return_dict_in_generate=True,
+                               **dict(tree_kwargs, context_lookup=False), **kwargs)  # fmt: skip
 
     results = {c.name: ConfigResult() for c in configs}
     with torch.no_grad():

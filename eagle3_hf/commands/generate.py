@@ -5,6 +5,7 @@ Without `--prompt` it runs the built-in prompts: the first thing a newcomer runs
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
@@ -25,8 +26,9 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--draft", default=None,
                         help='draft folder; default: the shipped draft; "random": untrained; "lookup": no draft, the '
                              "context lookup's tree alone (model-free)")  # fmt: skip
-    parser.add_argument("--context-lookup", action="store_true",
-                        help="graft the context lookup's continuations into the draft's tree (the hybrid tree)")
+    parser.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
+                        help="graft the context lookup's continuations into the draft's tree (the hybrid tree, the "
+                             "default); --no-context-lookup: the draft's tree alone")  # fmt: skip
     parser.add_argument("--prompt", default=None, help="the prompt (default: the built-in ones, a list and code)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -95,8 +97,7 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     from eagle3_hf.precision import short_name
 
     eagle_kwargs = dict(kwargs, exact_verify=not args.no_exact_verify)
-    if args.context_lookup:
-        eagle_kwargs["context_lookup"] = True
+    eagle_kwargs["context_lookup"] = args.context_lookup
     method = "lookup tree" if args.draft == "lookup" else "hybrid tree" if args.context_lookup else "EAGLE-3"
     if warm_up:  # the first call of each method pays one-off costs (allocations, kernel selection)
         target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=8))

@@ -18,7 +18,7 @@ and depth positions, accept the longest valid path (verification.py), keep only 
 entries, and feed the accepted tokens' tapped features -- taken from that same forward -- to the draft.
 
 A context lookup (hybrid.py) adds the continuations of the current suffix's earlier occurrences to the same tree:
-`context_lookup=True` with a draft (the hybrid tree), or `assistant_model=ContextLookup()` without one (model-free,
+`context_lookup=True` with a draft (the hybrid tree; the default for one prompt), or `assistant_model=ContextLookup()` without one (model-free,
 for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its generate() the same way).
 """
 
@@ -239,7 +239,7 @@ def eagle3_decoding(
     tree_total_tokens: int | None = None,
     adaptive_tree: bool = True,
     exact_verify: bool | None = None,
-    context_lookup: bool = False,
+    context_lookup: bool | None = None,
     lookup_depth: int | None = None,
     lookup_branches: int | None = None,
     lookup_confidence: float | None = None,
@@ -253,7 +253,8 @@ def eagle3_decoding(
     decoding step, so that bf16 output equals plain bf16 decoding token for token (exact_attention.py); False
     verifies the whole tree in one tree-masked attention call (identical in fp32 up to near-ties, cheaper).
 
-    Context lookup (hybrid.py): `context_lookup=True` grafts the continuations of the current suffix's earlier
+    Context lookup (hybrid.py): `context_lookup` (default: on for one prompt, the fastest method measured; off for a
+    batch, which does not support it yet) grafts the continuations of the current suffix's earlier
     occurrences into the draft's tree each cycle (always on with a `ContextLookup` assistant, which has no draft);
     `lookup_depth` tokens per continuation (default: the tree depth), `lookup_branches` continuations (default 4),
     and the draft's forward is skipped in a cycle where the lookup's best next token has an estimated acceptance of
@@ -298,12 +299,12 @@ def eagle3_decoding(
     if input_ids.shape[0] > 1:
         cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
         return _decode_batch(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
-                             cache, model_kwargs.get("attention_mask"), eagle3_streamer, context_lookup,
+                             cache, model_kwargs.get("attention_mask"), eagle3_streamer, bool(context_lookup),
                              exact_verify, adaptive_tree)  # fmt: skip
     start = _left_padding(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     lookup = None
-    if context_lookup:
+    if context_lookup is None or context_lookup:
         lookup = LookupState(options=LookupOptions(
             depth=budget.depth if lookup_depth is None else lookup_depth,
             branches=LookupOptions.branches if lookup_branches is None else lookup_branches,
