@@ -18,8 +18,9 @@ and depth positions, accept the longest valid path (verification.py), keep only 
 entries, and feed the accepted tokens' tapped features -- taken from that same forward -- to the draft.
 
 A context lookup (hybrid.py) adds the continuations of the current suffix's earlier occurrences to the same tree:
-`context_lookup=True` with a draft (the hybrid tree; the default for one prompt), or `assistant_model=ContextLookup()` without one (model-free,
-for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its generate() the same way).
+`context_lookup=True` with a draft (the hybrid tree; the default for one prompt), or `assistant_model=ContextLookup()`
+without one (model-free, for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its
+generate() the same way).
 """
 
 from __future__ import annotations
