@@ -64,11 +64,14 @@ def test_the_lookup_tree_and_the_hybrid_tree_from_the_command_line(chat_target, 
     base = ["generate", "--target", str(folder), "--prompt", "hello there hello there", "--max-new-tokens", "12",
             "--threads", "1", "--dtype", "float32"]  # fmt: skip
     expected = _expected_answer(folder, "hello there hello there", 12)
-    for extra, method in ((["--draft", "lookup"], "lookup tree"), (["--draft", "random", "--context-lookup"],
-                                                                  "hybrid tree")):  # fmt: skip
+    # the hybrid tree is the default with a draft, reported as EAGLE-3; --no-context-lookup is the draft's tree alone
+    for extra, method in ((["--draft", "lookup"], "lookup tree"), (["--draft", "random"], "EAGLE-3"),
+                          (["--draft", "random", "--no-context-lookup"], "EAGLE-3")):  # fmt: skip
         assert cli_main([*base, *extra]) == 0
         out = capsys.readouterr().out
         streamed, _, summary = out.partition(f"\n{method} (fp32, 1 thread(s)): ")
         assert summary, f"no {method} report line in {out!r}"
         assert streamed.strip() == expected.strip()
         assert re.search(r"speedup: [\d.]+x, identical output", summary)
+        if "--no-context-lookup" in extra:  # nothing comes from a lookup that is off
+            assert "the context lookup" not in summary

@@ -98,7 +98,7 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
 
     eagle_kwargs = dict(kwargs, exact_verify=not args.no_exact_verify)
     eagle_kwargs["context_lookup"] = args.context_lookup
-    method = "lookup tree" if args.draft == "lookup" else "hybrid tree" if args.context_lookup else "EAGLE-3"
+    method = "lookup tree" if args.draft == "lookup" else "EAGLE-3"  # with the context lookup (default) or without
     if warm_up:  # the first call of each method pays one-off costs (allocations, kernel selection)
         target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=8))
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # prints as tokens are accepted
