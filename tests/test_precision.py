@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from eagle3_hf.modeling.packed_linear import PackedLinear, can_prepack, prepack_linears
-from eagle3_hf.precision import cpu_flags, default_threads, has_native_bf16_matmul, resolve_dtype, short_name
+from eagle3_hf.precision import (
+    cpu_flags, default_threads, emulated_bf16_warning, has_native_bf16_matmul, resolve_dtype, short_name,
+)  # fmt: skip
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path):
@@ -38,6 +40,15 @@ def test_explicit_precision_wins_and_bad_names_are_refused():
     with pytest.raises(ValueError, match="float64"):
         short_name(torch.float64)
     assert default_threads() >= 1
+
+
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about():
+    message = emulated_bf16_warning("bfloat16", "cpu", flags={"avx2", "fma"})
+    assert "--dtype bfloat16 on a CPU without native bf16 matmul" in message and "--dtype float32" in message
+    assert emulated_bf16_warning("float32", "cpu", flags={"avx2"}) is None
+    assert emulated_bf16_warning("bfloat16", "cuda", flags={"avx2"}) is None  # the GPU decides, not the CPU
+    if torch.backends.mkldnn.is_available():
+        assert emulated_bf16_warning("bfloat16", "cpu", flags={"avx2", "amx_bf16"}) is None
 
 
 def test_prepacked_linears_compute_exactly_what_nn_linear_does():

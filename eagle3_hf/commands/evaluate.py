@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from eagle3_hf.commands import say
 from eagle3_hf.model_card import EVALUATION_NAME, format_evaluation_table
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION
 
@@ -48,6 +49,7 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
 
     from eagle3_hf.hub import load_draft_for, shipped_draft_path
+    from eagle3_hf.precision import emulated_bf16_warning
     from eagle3_hf.targets import load_target, load_tokenised_data
     from eagle3_hf.training.evaluation import evaluate_draft
     from eagle3_hf.training.split import split_filter
@@ -55,6 +57,8 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         select = split_filter(args.split, args.held_out_fraction)
         _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
+        if warning := emulated_bf16_warning(args.dtype, args.device):
+            say(f"Warning: {warning}")
         dtype = getattr(torch, args.dtype)
         target = load_target(args.target, dtype=dtype, device=args.device)
         results = {}

@@ -41,12 +41,15 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-length must be >= 3 (the draft predicts tokens two ahead), got {args.max_length}.")
     import torch
 
+    from eagle3_hf.precision import emulated_bf16_warning
     from eagle3_hf.targets import check_device, load_target, load_tokenised_data
     from eagle3_hf.training.features import precompute_features
     from eagle3_hf.training.distributed import check_device_map, init_distributed_from_launcher, process_device
     from eagle3_hf.training.split import split_filter
 
     check_device(args.device)
+    if warning := emulated_bf16_warning(args.dtype, args.device):
+        say(f"Warning: {warning}")
     layer_ids = None
     if args.layer_ids:
         try:

@@ -38,6 +38,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     import torch
 
+    from eagle3_hf.precision import emulated_bf16_warning
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
     from eagle3_hf.training.manifest import check_manifest
     from eagle3_hf.training.prompt_selection import dedupe_prompts, exclude_prompts, read_evaluation_prompts
@@ -46,6 +47,8 @@ def run_cli(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
     check_device(args.device)
+    if warning := emulated_bf16_warning(args.dtype, args.device):
+        say(f"Warning: {warning}")
     conversations = select_conversations(args.data, args.skip_conversations, args.max_conversations, args.max_rounds)
     if args.exclude_prompts:
         conversations, dropped = exclude_prompts(conversations, read_evaluation_prompts(args.exclude_prompts))

@@ -345,12 +345,15 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
     from transformers.trainer_utils import set_seed
 
+    from eagle3_hf.precision import emulated_bf16_warning
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.data_files import is_dataset_id
     from eagle3_hf.training.distributed import check_fsdp_loading, init_distributed_from_launcher
     from eagle3_hf.training.checkpointing import RemoveCheckpointsOnTrainBegin
     from eagle3_hf.training.trainer import Eagle3Trainer
 
+    if warning := emulated_bf16_warning(args.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
+        say(f"Warning: {warning}")
     offline = args.features is not None
     overrides = _layer_ids(args.target_layer_ids)
     training_args = _training_arguments(args, offline)

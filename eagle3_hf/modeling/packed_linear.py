@@ -11,19 +11,30 @@ that the caller names (nothing global is patched), with the same oneDNN kernel, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 __all__ = ["PackedLinear", "can_prepack", "prepack_linears"]
 
 
+@functools.cache
 def _ops_available() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    return (
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(mkldnn, "_reorder_linear_weight")
         and hasattr(mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    # oneDNN packs bf16 weights only on CPUs with bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere
+    # (an AVX2-only CPU) the reorder raises, so ask the CPU once with a tiny weight.
+    try:
+        mkldnn._reorder_linear_weight(torch.zeros(2, 2, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def can_prepack(module: nn.Module) -> bool:
