@@ -83,8 +83,9 @@ def test_remap_keeps_the_logits_of_shared_tokens(tmp_path):
         after = draft(ids, target_hidden_states=features).logits  # [1, 6, 11]
     assert after.shape[-1] == 11 == draft.config.draft_vocab_size
     shared = [i for i in new_ids if i in old_ids]
+    # The same head rows: equal up to the matmul's rounding, which on some CPUs (AVX2) depends on the head's width.
     torch.testing.assert_close(after[..., [new_ids.index(i) for i in shared]],
-                               before[..., [old_ids.index(i) for i in shared]], rtol=0, atol=0)  # fmt: skip
+                               before[..., [old_ids.index(i) for i in shared]], rtol=1e-6, atol=1e-6)  # fmt: skip
     added = [new_ids.index(i) for i in new_ids if i not in old_ids]
     # New tokens start at a logit of 0: where the old top token is kept and its logit is positive, it stays on top.
     assert torch.equal(after[..., added], torch.zeros_like(after[..., added]))

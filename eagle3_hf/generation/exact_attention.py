@@ -24,6 +24,7 @@ thread count); other implementations are left as they are, and decoding works wi
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -115,7 +116,8 @@ class ExactAttention:
         depth share one call. With `merge`, nodes of several depths share one, their shorter rows padded with masked
         trailing keys, where that provably leaves every row's result as its own step computes it: torch's CPU kernel
         sums a row's softmax in 16-lane chunks plus a scalar tail, so trailing masked keys (exp = 0) change nothing
-        while the padded length stays in the row's own 16-key bin -- and no window moves the row's first key.
+        while the padded length stays in the row's own 16-key bin -- and no window moves the row's first key. That
+        holds for AVX-512 kernels; elsewhere nothing is merged (`_merge_bin`).
         """
         key = (window, merge)
         if key not in self._calls:
@@ -149,8 +151,21 @@ class ExactAttention:
         return state
 
 
+@functools.cache
+def _merge_bin() -> int | None:
+    """The key-count bin within which trailing masked keys leave a row's attention bit for bit unchanged, or None
+    where rows of different lengths must not share a call.
+
+    16 where torch's CPU kernels vectorise with AVX-512 (checked bit for bit there by tests/test_exact_attention.py).
+    On an AVX2-only CPU no bin was found safe: padding a row from 510 to 511 keys changed its result (8-key bins
+    broke, 4-key bins held on the cases tried), so there every depth gets its own call."""
+    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else None
+
+
 def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, max_rows: int) -> list[_Call]:
     """See `ExactAttention.calls`; `depths` sorted."""
+    bin_size = _merge_bin()
+    merge = merge and bin_size is not None
 
     def span(depth: int) -> tuple[int, int]:
         end = past + depth + 1
@@ -164,7 +179,7 @@ def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, m
         while stop < len(depths) and stop - start < max_rows:
             next_begin, next_end = span(depths[stop])
             same = next_end == end
-            if not same and not (merge and next_begin == begin == 0 and next_end // 16 == end // 16):
+            if not same and not (merge and next_begin == begin == 0 and next_end // bin_size == end // bin_size):
                 break
             end = next_end
             stop += 1
