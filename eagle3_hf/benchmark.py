@@ -64,6 +64,16 @@ class BenchConfig:
         return f"{self.method}{tokens}_{short_name(self.dtype)}"
 
 
+def plain_dtypes_for(device: str | torch.device, native_bf16: bool) -> tuple[torch.dtype, ...]:
+    """The precisions plain decoding is benchmarked in: fp32 and bf16 (`PLAIN_DTYPES`), but fp32 alone on a CPU
+    without native bf16 matmul (`native_bf16`: `eagle3_hf.precision.has_native_bf16_matmul()`), where bf16 runs
+    emulated, an order of magnitude slower than fp32: such a run would take most of the benchmark's time and could
+    never be the fastest plain configuration."""
+    if torch.device(device).type == "cpu" and not native_bf16:
+        return (torch.float32,)
+    return PLAIN_DTYPES
+
+
 def bench_configs(
     spec_dtype: torch.dtype, methods: tuple[str, ...] = DEFAULT_METHODS, plain_dtypes: tuple[torch.dtype, ...] = PLAIN_DTYPES
 ) -> list[BenchConfig]:

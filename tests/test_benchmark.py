@@ -14,6 +14,7 @@ from eagle3_hf.benchmark import (
     divergence,
     format_markdown,
     format_table,
+    plain_dtypes_for,
     read_prompts,
     run_benchmark,
 )
@@ -60,6 +61,14 @@ def _tiny_target(vocab=24):
         LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                     num_key_value_heads=1, vocab_size=vocab, eos_token_id=None, bos_token_id=None)
     ).eval()  # fmt: skip
+
+
+def test_plain_bf16_is_left_out_where_the_cpu_emulates_it():
+    assert plain_dtypes_for("cpu", native_bf16=False) == (torch.float32,)
+    assert plain_dtypes_for("cpu", native_bf16=True) == (torch.float32, torch.bfloat16)
+    assert plain_dtypes_for("cuda", native_bf16=False) == (torch.float32, torch.bfloat16)  # the GPU's, not the CPU's
+    names = [c.name for c in bench_configs(torch.bfloat16, ("plain", "eagle3_tree"), plain_dtypes_for("cpu", False))]
+    assert names == ["plain_fp32", "plain_bf16", "eagle3_tree_bf16"]  # asked for: the same-precision baseline stays
 
 
 def test_configurations_list_plain_in_both_precisions_and_eagle3_at_the_speculative_one():

@@ -106,6 +106,7 @@ def run_cli(args: Any) -> int:
         format_markdown,
         format_table,
         load_models,
+        plain_dtypes_for,
         plot_acceptance,
         read_prompts,
         row_exact_report,
@@ -114,14 +115,18 @@ def run_cli(args: Any) -> int:
     from eagle3_hf.hub import default_prompts_path
     from eagle3_hf.model_card import write_bench_card
     from eagle3_hf.outputs import staged_file
-    from eagle3_hf.precision import default_threads, resolve_dtype, short_name
+    from eagle3_hf.precision import default_threads, has_native_bf16_matmul, resolve_dtype, short_name
     from eagle3_hf.targets import check_device, load_tokenizer, resolve_target
 
     check_device(args.device)
     resolve_target(args.target)  # a bad name or path fails here, at once
     torch.set_num_threads(args.threads or default_threads())
     spec_dtype = resolve_dtype(args.dtype, args.device)
-    configs = bench_configs(spec_dtype, methods)
+    plain_dtypes = plain_dtypes_for(args.device, has_native_bf16_matmul())
+    if torch.bfloat16 not in (*plain_dtypes, spec_dtype):
+        print("plain bf16 left out: this CPU has no native bf16 matmul, so bf16 would run emulated "
+              "(--dtype bfloat16 benchmarks it anyway)")  # fmt: skip
+    configs = bench_configs(spec_dtype, methods, plain_dtypes)
     need_draft = any(c.method in DRAFT_METHODS for c in configs)
     targets, drafts, prepacked = load_models(args, spec_dtype, {c.dtype for c in configs}, need_draft)
     prompts_path = args.prompts or default_prompts_path()
