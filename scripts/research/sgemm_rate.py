@@ -13,7 +13,8 @@ import time
 
 import torch
 
-# (rows, inner, columns): attention projection, MLP up, MLP down, and the 16,384-id draft head over 7 TTT steps.
+# (rows, inner, columns): attention projection, MLP up, MLP down (a micro-batch's 768 tokens), and the 16,384-id draft
+# head over one 384-token sequence's 7 TTT steps.
 SHAPES = [(768, 576, 576), (768, 576, 1536), (768, 1536, 576), (2688, 576, 16384)]
 
 
@@ -22,6 +23,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    for name in ("threads", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     for rows, inner, columns in SHAPES:
         a, b = torch.randn(rows, inner), torch.randn(inner, columns)
