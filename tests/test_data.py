@@ -7,6 +7,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.data import (
     as_conversations,
     build_dataset,
@@ -325,6 +326,16 @@ def test_build_dataset_columns_and_stats(tokenizer):
     assert stats.to_dict()["conversations_kept"] == 2
     alpaca = dataset[1]
     assert supervised_spans(tokenizer, alpaca) == ["Blue." + tokenizer.eos_token]
+
+
+def test_tokenise_data_in_several_processes_matches_one(tokenizer, tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": "word " * (4 * i)}, CONVERSATION[2]]} for i in range(9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one, one_stats = tokenise_data(tokenizer, str(path), max_length=48)
+    two, two_stats = tokenise_data(tokenizer, [str(path)], max_length=48, num_proc=2)
+    assert one_stats.truncated > 0 and one_stats == two_stats
+    assert one.to_list() == two.to_list()
 
 
 def test_build_dataset_drops_conversations_cut_before_any_answer(tokenizer):

@@ -370,8 +370,8 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     # `auto` counts the vocabulary on the 7 and measures its coverage on the 5 held out.
     assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(tmp_path / "auto"),
                      "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "auto",
-                     "--held-out-fraction", "0.25"]) == 0  # fmt: skip
-    assert "(5 held-out conversations)" in capsys.readouterr().out
+                     "--held-out-fraction", "0.25", "--tokenize-num-proc", "2"]) == 0  # fmt: skip
+    assert "(5 held-out conversations)" in capsys.readouterr().out  # tokenised in two processes, the same split
     # Continuing into a larger vocabulary: shared tokens keep their trained head rows, new ones get the target's.
     old = Eagle3DraftModel.from_pretrained(str(out))
     larger = tmp_path / "larger"
@@ -418,6 +418,8 @@ def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):
     assert code == 2 and "no chat template" in err
     code, err = run("--save-total-limit", "-1")
     assert code == 2 and "--save-total-limit must be >= 0" in err
+    code, err = run("--tokenize-num-proc", "0")
+    assert code == 2 and "--tokenize-num-proc must be >= 1 (processes), got 0" in err
     foreign = tmp_path / "foreign_draft"
     Eagle3DraftModel.from_target(tiny.make_tiny_target(vocab_size=64)).save_pretrained(foreign)
     code, err = run("--init-draft", str(foreign))

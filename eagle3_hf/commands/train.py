@@ -44,6 +44,9 @@ class TrainCommandArguments:
         default=None, metadata={"help": "folders written by `eagle3-hf features` (offline); several are joined"}
     )
     max_conversations: int | None = field(default=None, metadata={"help": "read at most this many conversations"})
+    tokenize_num_proc: int | None = field(
+        default=None, metadata={"help": "processes that tokenise the conversations (default: this one)"}
+    )
     init_draft: str | None = field(
         default=None,
         metadata={"help": "continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
@@ -285,7 +288,9 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
         dataset = OfflineFeatureDataset(args.features)
         say(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
         return dataset, OfflineFeatureDataset(args.eval_features) if args.eval_features else None, dataset
-    _, everything, _ = load_tokenised_data(args.target, args.data, training_args.max_length, args.max_conversations)
+    _, everything, _ = load_tokenised_data(
+        args.target, args.data, training_args.max_length, args.max_conversations, num_proc=args.tokenize_num_proc
+    )
     dataset, held_out = split_held_out(everything, args.held_out_fraction)
     say(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
     if evaluate and len(held_out) == 0:

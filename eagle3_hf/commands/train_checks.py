@@ -37,6 +37,8 @@ def check_train_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-train-epochs must be > 0 when --max-steps is not given, got {args.num_train_epochs}.")
     if not math.isfinite(args.learning_rate) or args.learning_rate < 0:
         raise ValueError(f"--learning-rate must be a finite number >= 0, got {args.learning_rate}.")
+    if args.tokenize_num_proc is not None and args.tokenize_num_proc < 1:
+        raise ValueError(f"--tokenize-num-proc must be >= 1 (processes), got {args.tokenize_num_proc}.")
     if args.save_total_limit is not None and args.save_total_limit < 0:
         raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
     if args.warmup_steps < 0 or (args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps)):

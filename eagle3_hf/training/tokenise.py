@@ -21,9 +21,11 @@ def tokenise_data(
     max_length: int,
     max_conversations: int | None = None,
     select: Callable[[dict], bool] | None = None,
+    num_proc: int | None = None,
 ) -> tuple[Dataset, DataStats]:
     """Read conversations from one source or several (taken in the order given, keeping those `select` accepts,
-    then cut to `max_conversations`), render them with `tokenizer`'s chat template; return (dataset, DataStats)."""
+    then cut to `max_conversations`), render them with `tokenizer`'s chat template in `num_proc` processes (default:
+    this one); return (dataset, DataStats)."""
     conversations: list[dict] = []
     for source in [data] if isinstance(data, str) else data:
         left = None if max_conversations is None else max_conversations - len(conversations)
@@ -36,7 +38,7 @@ def tokenise_data(
             f"No conversation in {data} belongs to the requested split (held-out conversations are chosen by a hash "
             "of their id, about 2% of them): give more data, or another split."
         )
-    dataset, stats = build_dataset(conversations, tokenizer, max_length)
+    dataset, stats = build_dataset(conversations, tokenizer, max_length, num_proc=num_proc)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every process reads the data: one says so
         print(
             f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} "
