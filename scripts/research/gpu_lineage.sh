@@ -10,7 +10,7 @@
 # Settings (environment): INIT (the draft to continue, default $STAGE/init), TRAIN_S (seconds the training command may
 # run, start-up included; default 330), BATCH (conversations per step, default 32), LR (default 3e-4: the lineage's
 # 1e-4 at 4 a step, scaled by the square root of the batch), SAVE_STEPS (default 100), SEED (default 11), DEVICE
-# (of the evaluation, default cuda) and EXTRA (more `eagle3-hf train` options, e.g. --max-conversations 64 for a try).
+# (of the evaluation, default cuda) and MAX_CONVERSATIONS (to read, default all; e.g. 300 for a try).
 set -uo pipefail
 
 STAGE="${STAGE:?set STAGE to the unpacked bundle}"
@@ -22,7 +22,7 @@ LR="${LR:-3e-4}"
 SAVE_STEPS="${SAVE_STEPS:-100}"
 SEED="${SEED:-11}"
 DEVICE="${DEVICE:-cuda}"
-EXTRA="${EXTRA:-}"
+MAX_CONVERSATIONS="${MAX_CONVERSATIONS:-1000000000}"
 RUN=work_data/gpu_lineage
 mkdir -p "$OUT" work_data
 
@@ -45,7 +45,8 @@ timeout "$TRAIN_S" python3 -m eagle3_hf.cli train --target smollm2 \
   --init-draft "$INIT" --output "$RUN" --max-steps 100000 --learning-rate "$LR" \
   --lr-scheduler-type constant_with_warmup --warmup-steps 20 --ttt-length 7 --max-length 384 \
   --batch-size "$BATCH" --gradient-accumulation-steps 1 --save-steps "$SAVE_STEPS" --save-total-limit 0 \
-  --dtype bfloat16 --seed "$SEED" --tokenize-num-proc 12 --logging-steps 20 --disable-tqdm true $EXTRA \
+  --dtype bfloat16 --seed "$SEED" --tokenize-num-proc 12 --logging-steps 20 --disable-tqdm true \
+  --max-conversations "$MAX_CONVERSATIONS" \
   > "$OUT/train.log" 2>&1
 echo "train exit $? after $(( $(date +%s) - start )) s"
 grep -E "Data:|Held out|Error|error" "$OUT/train.log" | head -20
@@ -62,8 +63,8 @@ for i in 1 2 3 4 5 6 7 8; do
   [[ " ${picked[*]} " == *" ${checkpoints[$j]} "* ]] || picked+=("${checkpoints[$j]}")
 done
 python3 -m eagle3_hf.cli evaluate --target smollm2 --draft "$INIT" "${picked[@]}" --data work_data/regen_mtbench \
-  --split all --dtype float32 --device "$DEVICE" --batch-size 16 --json "$OUT/eval_mtbench.json" 2>&1 \
-  | grep -v -E "it/s|s/it" | tail -n 25
+  --split all --dtype float32 --device "$DEVICE" --batch-size 16 --json "$OUT/eval_mtbench.json" > "$OUT/eval.log" 2>&1
+grep -v -E "it/s|s/it" "$OUT/eval.log" | tail -n 25
 
 last="${checkpoints[$(( n - 1 ))]}"
 before=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('steps') or 0)" "$INIT/training_info.json")
