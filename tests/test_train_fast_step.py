@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.training.head_loss import fused_head_applies, head_cross_entropy
+from eagle3_hf.training.head_loss import default_chunk_rows, fused_head_applies, head_cross_entropy
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import target_top_k, ttt_forward, ttt_loss
 
@@ -142,6 +142,17 @@ def test_head_cross_entropy_is_the_soft_cross_entropy_of_the_head(sparse):
     assert torch.equal(argmax, log_q.argmax(-1))
     torch.testing.assert_close(fast_grads[0], rows.grad)
     torch.testing.assert_close(fast_grads[1], weight.grad)
+
+
+def test_default_chunk_rows_keep_cpu_blocks_small_and_accelerator_launches_few():
+    assert default_chunk_rows(torch.device("cpu")) == 256
+    assert default_chunk_rows(torch.device("cuda", 0)) == default_chunk_rows(torch.device("xpu")) == 4096
+    rows, weight = torch.randn(300, 8), torch.randn(10, 8)
+    p = torch.softmax(torch.randn(300, 10), -1)
+    loss, argmax = head_cross_entropy(rows, weight, p)  # the default on a CPU: two chunks, 256 rows and 44
+    reference, reference_argmax = head_cross_entropy(rows, weight, p, chunk_rows=300)
+    torch.testing.assert_close(loss, reference)
+    assert torch.equal(argmax, reference_argmax)
 
 
 def test_head_cross_entropy_rejects_bad_shapes():
