@@ -6,8 +6,8 @@ SHAREGPT=$(python -c "import importlib.util as u; print(u.find_spec('sharegpt_da
 OUT=${OUT:-work_data}
 
 # 0. Start from the answers already regenerated and committed (CPU-hours), so step 1 only adds to them:
-#    smollm2_sharegpt_regen.tar.gz (2,052 ShareGPT), smollm2_sharegpt_regen_2.tar.gz to _5 (533, 2,645, 196 and 277
-#    more, regenerated after it; _5 in fp32) and smollm2_alpaca_regen.tar.gz (all 999 Alpaca conversations).
+#    smollm2_sharegpt_regen.tar.gz (2,052 ShareGPT), smollm2_sharegpt_regen_2.tar.gz to _6 (533, 2,645, 196, 277 and
+#    1,594 more, regenerated after it; _5 in fp32) and smollm2_alpaca_regen.tar.gz (all 999 Alpaca conversations).
 for name in sharegpt alpaca; do
   if [ ! -d "$OUT/regen_$name" ]; then
     mkdir -p "$OUT"

