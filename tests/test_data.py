@@ -7,7 +7,6 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.data import (
     as_conversations,
     build_dataset,
@@ -16,6 +15,7 @@ from eagle3_hf.training.data import (
     read_conversations,
     tokenize_conversation,
 )
+from eagle3_hf.training.tokenise import tokenise_data
 
 # Renders exactly what SmolLM2's ChatML template renders when the conversation has a system message, but wraps each
 # assistant answer and its end-of-turn token in generation markers.
@@ -330,7 +330,8 @@ def test_build_dataset_columns_and_stats(tokenizer):
 
 def test_tokenise_data_in_several_processes_matches_one(tokenizer, tmp_path):
     path = tmp_path / "conversations.jsonl"
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": "word " * (4 * i)}, CONVERSATION[2]]} for i in range(9)]
+    questions = [{"role": "user", "content": "word " * (4 * i)} for i in range(9)]
+    rows = [{"id": f"c{i}", "messages": [question, CONVERSATION[2]]} for i, question in enumerate(questions)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     one, one_stats = tokenise_data(tokenizer, str(path), max_length=48)
     two, two_stats = tokenise_data(tokenizer, [str(path)], max_length=48, num_proc=2)

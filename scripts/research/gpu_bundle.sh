@@ -4,14 +4,14 @@
 # trimmed ShareGPT (`scripts/research/trim_conversations.py`, xz-compressed) and the draft to continue.
 #
 #   bash scripts/research/gpu_bundle.sh work_data/gpu_bundle      # then send work_data/gpu_bundle/part-*
-#   # there:  cat part-* | tar x -C STAGE && xz -d STAGE/sharegpt_trim.jsonl.xz
+#   # there:  cat part-* | tar x -C STAGE   (gpu_lineage.sh unpacks the .xz itself)
 #
-# Settings (environment): PART_MIB (default 60), PY (that machine's Python version, default 3.12), INIT (default
+# Settings (environment): PART_MIB (default 58), PY (that machine's Python version, default 3.12), INIT (default
 # examples/data/lineage/smollm2-15025), TRIMMED (default work_data/sharegpt_trim.jsonl).
 set -euo pipefail
 
 dest="${1:?usage: gpu_bundle.sh OUTPUT_DIR}"
-PART_MIB="${PART_MIB:-60}"
+PART_MIB="${PART_MIB:-58}"
 PY="${PY:-3.12}"
 INIT="${INIT:-examples/data/lineage/smollm2-15025}"
 TRIMMED="${TRIMMED:-work_data/sharegpt_trim.jsonl}"

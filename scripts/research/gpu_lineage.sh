@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The lineage trained on one CUDA GPU that has no network, for a fixed time, then every kept checkpoint evaluated on
-# MT-bench turn 1 there and the last one packed (ship form, in parts small enough to send back).
+# The lineage trained on one CUDA GPU that has no network, for a fixed time, then up to 8 of its checkpoints (the last
+# among them) evaluated on MT-bench turn 1 there and the last one packed (ship form, in parts small enough to send back).
 #
 #   STAGE=/path/to/stage OUT=/path/to/results bash scripts/research/gpu_lineage.sh     # from the repository root
 #
@@ -67,8 +67,9 @@ python3 -m eagle3_hf.cli evaluate --target smollm2 --draft "$INIT" "${picked[@]}
 grep -v -E "it/s|s/it" "$OUT/eval.log" | tail -n 25
 
 last="${checkpoints[$(( n - 1 ))]}"
+hardware=$(python3 -c "import torch; print('one ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'a CPU')")
 before=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('steps') or 0)" "$INIT/training_info.json")
-python3 scripts/ship_draft.py "$last" work_data/gpu_ship --steps-before "$before" --training-hardware "one NVIDIA H200" \
+python3 scripts/ship_draft.py "$last" work_data/gpu_ship --steps-before "$before" --training-hardware "$hardware" \
   --data "regenerated ShareGPT, Alpaca and sampled ShareGPT answers, ShareGPT" \
   --command "BATCH=$BATCH LR=$LR SEED=$SEED bash scripts/research/gpu_lineage.sh (from the $before-step draft)" || exit 1
 split -b 15M work_data/gpu_ship/model.safetensors "$OUT/model.safetensors.part-"
