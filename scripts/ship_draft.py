@@ -33,7 +33,9 @@ def main() -> int:
         with open(state_path) as f:
             state = json.load(f)
         steps = state.get("global_step") + args.steps_before
-        ttt = sum(1 for key in next((log for log in state["log_history"] if "acc_0" in log), {}) if key.startswith("acc_"))
+        # the last logged step's TTT length: a resumed run may have changed it (`--ttt-length` is not fixed by --resume)
+        last = next((log for log in reversed(state["log_history"]) if "acc_0" in log), {})
+        ttt = sum(1 for key in last if key.startswith("acc_"))
     info = {
         "target_revision": args.target_revision,
         "data": args.data,
