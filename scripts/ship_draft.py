@@ -28,14 +28,12 @@ def main() -> int:
 
     draft = Eagle3DraftModel.from_pretrained(args.trained).to(torch.bfloat16)
     state_path = os.path.join(args.trained, "trainer_state.json")
-    steps = ttt = None
+    steps = None
     if os.path.isfile(state_path):
         with open(state_path) as f:
-            state = json.load(f)
-        steps = state.get("global_step") + args.steps_before
-        # the last logged step's TTT length: a resumed run may have changed it (`--ttt-length` is not fixed by --resume)
-        last = next((log for log in reversed(state["log_history"]) if "acc_0" in log), {})
-        ttt = sum(1 for key in last if key.startswith("acc_"))
+            steps = json.load(f).get("global_step") + args.steps_before
+    # `eagle3-hf train` records the run's TTT length in training_info.json (the last run's, if it was resumed)
+    ttt = (draft.training_info or {}).get("ttt_length")
     info = {
         "target_revision": args.target_revision,
         "data": args.data,
