@@ -379,6 +379,8 @@ def run_cli(args: argparse.Namespace) -> int:
         "data": ", ".join(sources) + (" (offline features)" if offline else ""),
         "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
         "ttt_length": training_args.ttt_length,
+        # below 1, the share of positions that ran TTT steps 1..K-1 (eagle3_hf.training.ttt_rows)
+        **({"ttt_deep_fraction": training_args.ttt_deep_fraction} if training_args.ttt_deep_fraction < 1 else {}),
     }
     output_dir = training_args.output_dir
     # The earlier run's checkpoints go once training has begun, so that a mistake found before then deletes nothing.

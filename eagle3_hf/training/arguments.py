@@ -26,6 +26,10 @@ class Eagle3TrainingOptions:
     Args:
         ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
         ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
+        ttt_deep_fraction: share of the positions (per row, among those a deep step supervises) at which TTT steps
+            ``1..K-1`` run in training, sampled afresh each batch; step 0 runs on all. 1 (default) unrolls every
+            position; below 1 the draft's work per conversation drops to about ``1 + fraction * (K - 1)`` steps
+            (`eagle3_hf.training.ttt_rows`). Evaluation always unrolls every position.
         feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
             ``target_hidden_states`` / ``target_top_logits`` / ``target_top_ids``, e.g. from `OfflineFeatureDataset`).
         logits_top_k: online features keep the target's `logits_top_k` largest logits per position, as offline
@@ -39,6 +43,11 @@ class Eagle3TrainingOptions:
 
     ttt_length: int = field(default=7, metadata={"help": "TTT steps per position (step j predicts j+2 ahead)"})
     ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of TTT step j is ttt_decay**j"})
+    ttt_deep_fraction: float = field(
+        default=1.0,
+        metadata={"help": "share of positions, sampled each batch, that run TTT steps 1..K-1 in training (step 0 runs "
+                          "on all; 1: every position)"},
+    )
     feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
     logits_top_k: int = field(
         default=DEFAULT_TOP_K, metadata={"help": "target logits per token the soft labels are built from (online; "
@@ -60,6 +69,10 @@ class Eagle3TrainingOptions:
             raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
+        if isinstance(self.ttt_deep_fraction, bool) or not isinstance(self.ttt_deep_fraction, (int, float)) or not (
+            0 < self.ttt_deep_fraction <= 1
+        ):
+            raise ValueError(f"ttt_deep_fraction must be in (0, 1], got {self.ttt_deep_fraction!r}.")
         if self.feature_mode not in ("online", "offline"):
             raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
         if not isinstance(self.logits_top_k, int) or self.logits_top_k < 1:

@@ -1,0 +1,99 @@
+"""Sampled deep TTT steps: run TTT steps ``1..K-1`` on a random share of the positions, step 0 on all of them.
+
+Why it is exact where it runs: at TTT step ``j >= 1`` query ``(t, j)`` attends to the step-0 keys at positions
+``<= t`` and to its OWN position's keys of steps ``1..j`` (`eagle3_hf.training.ttt`). So the chain of deep steps at
+one position depends on no other position's deep steps: running steps ``1..K-1`` only at a subset of positions
+gives, at those positions, exactly the states and logits of the full unroll. Step 0 still runs everywhere (its keys
+are every later step's causal context, and it is the step acceptance depends on most).
+
+Why it pays: after the target's forward, the draft's cost grows with the rows it unrolls, ``K`` times the sequence
+in the full unroll; with a share ``f`` of the positions it is ``1 + f * (K - 1)`` times. Each deep step's loss is
+then the mean over the sampled positions it supervises, an unbiased estimate (as a ratio) of the full step's mean:
+deep steps see fewer positions per conversation, step 0 all of them.
+
+Positions are sampled per row among those where at least one deep step is supervised, at the same rate in every
+row; with ``fraction=1`` every such position is taken and the loss equals the full unroll's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DeepRows", "deep_candidates", "sample_deep_rows"]
+
+
+@dataclass
+class DeepRows:
+    """The positions at which TTT steps ``1..K-1`` run.
+
+    Args:
+        positions: ``[B, r]`` long, the positions ``t`` of each row (distinct, ascending among the valid ones).
+        valid: ``[B, r]`` bool; rows sampled fewer than ``r`` positions fill the rest with positions that are
+            computed but never supervised.
+    """
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+def deep_candidates(loss_mask: torch.Tensor, ttt_length: int) -> torch.Tensor:
+    """``[B, S]`` bool: positions ``t`` where some step ``j`` in ``1..K-1`` is supervised (``loss_mask[t+2+j]``)."""
+    supervised = loss_mask.bool()
+    seq = supervised.shape[1]
+    candidates = torch.zeros_like(supervised)
+    for step in range(1, ttt_length):
+        shift = 2 + step
+        if shift < seq:
+            candidates[:, : seq - shift] |= supervised[:, shift:]
+    return candidates
+
+
+def sample_deep_rows(
+    loss_mask: torch.Tensor,
+    ttt_length: int,
+    fraction: float,
+    generator: torch.Generator | None = None,
+) -> DeepRows:
+    """Sample ``ceil(fraction * n_b)`` of the ``n_b`` candidate positions of each row b (`deep_candidates`).
+
+    Args:
+        loss_mask: ``[B, S]`` 1 where the token is supervised.
+        ttt_length: TTT steps K (at least 2: with one step there is no deep step to sample).
+        fraction: share of each row's candidates to take, in ``(0, 1]``.
+        generator: random source (default: torch's global one, which the Trainer seeds and checkpoints).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from eagle3_hf.training.ttt_rows import sample_deep_rows
+    >>> mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
+    >>> rows = sample_deep_rows(mask, ttt_length=3, fraction=1.0)
+    >>> rows.positions.tolist(), rows.valid.all().item()
+    ([[0, 1, 2, 3, 4, 5, 6]], True)
+    >>> sample_deep_rows(mask, ttt_length=3, fraction=0.5).valid.sum().item()
+    4
+    ```
+    """
+    if not isinstance(ttt_length, int) or ttt_length < 2:
+        raise ValueError(f"Sampling deep TTT steps needs ttt_length >= 2, got {ttt_length!r}.")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"The share of positions running deep TTT steps must be in (0, 1], got {fraction!r}.")
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must be [batch, seq], got shape {tuple(loss_mask.shape)}.")
+    candidates = deep_candidates(loss_mask, ttt_length)  # [B, S]
+    batch, seq = candidates.shape
+    counts = candidates.sum(1)  # [B]
+    take = torch.ceil(counts.double() * fraction).long().clamp(max=counts)  # [B]
+    width = max(int(take.max()) if batch else 0, 1)  # at least one column, so the deep steps keep their shapes
+    # Random keys, candidates first: the first take[b] of each row's order are a uniform sample of its candidates.
+    keys = torch.rand(batch, seq, generator=generator, device=loss_mask.device)
+    keys = torch.where(candidates, keys, keys + 2)
+    chosen = keys.argsort(dim=1)[:, :width]  # [B, r] distinct positions
+    valid = torch.arange(width, device=loss_mask.device)[None] < take[:, None]  # [B, r]
+    # Ascending positions, valid ones first (only locality and a stable row order depend on it).
+    order = torch.where(valid, chosen, chosen + seq).argsort(dim=1)
+    return DeepRows(positions=chosen.gather(1, order), valid=valid.gather(1, order))
+
