@@ -57,15 +57,14 @@ def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, im
 
     args = train_command.parse_cli(train_argv)
     train_command.check_train_arguments(args)
-    if args.features is not None:
-        raise ValueError("This profile measures the online recipe; --features (offline) is not supported here.")
-    training_args = train_command._training_arguments(args, offline=False)
+    offline = args.features is not None  # --features: the trainer reads the target's features from disk
+    training_args = train_command._training_arguments(args, offline=offline)
     resolve_target(args.target)
     set_seed(training_args.seed)
-    dataset, _, vocab_rows = train_command._data(args, training_args, offline=False)
-    target = load_target(args.target, dtype=getattr(torch, args.dtype))
+    dataset, _, vocab_rows = train_command._data(args, training_args, offline=offline)
+    target = load_target(args.target, dtype=getattr(torch, args.dtype))  # the draft takes its embedding from it
     draft = train_command._draft(args, target, vocab_rows, train_command._layer_ids(args.target_layer_ids), False)
-    return Eagle3Trainer(draft, training_args, target=target, train_dataset=dataset)
+    return Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
 
 
 def fused_head(reference: bool, bf16: bool):  # noqa: ANN201 - the trainer's fused head and loss, or None
@@ -88,6 +87,8 @@ def profile(trainer, batches: int, warmup: int, reference_head: bool = False) ->
     from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
     args = trainer.args
+    if trainer.target is None:
+        raise ValueError("The profile times the online recipe's target forward; --features (offline) is not supported.")
     draft = trainer.model
     draft.train()
     trainer.create_optimizer()
