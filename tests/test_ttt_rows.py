@@ -189,3 +189,19 @@ def test_the_trainer_samples_in_training_and_unrolls_everything_in_evaluation(tm
     with torch.no_grad():
         _, evaluated = trainer.compute_loss(draft.eval(), batch, return_outputs=True)
     assert torch.equal(evaluated.step_supervised, ref.step_supervised)
+
+
+def test_mismatched_deep_rows_are_refused():
+    target, draft = make_pair()
+    ids, attention, loss_mask, features, logits = make_batch(target, draft)
+    rows = sample_deep_rows(loss_mask, TTT, 0.5)
+    one_row = DeepRows(rows.positions[:1], rows.valid[:1])
+    with pytest.raises(ValueError, match=r"must both be \[batch=2"):
+        ttt_forward(draft, ids, features, attention, ttt_length=TTT, deep_rows=one_row)
+    past_the_end = DeepRows(rows.positions + 12, rows.valid)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 12\)"):
+        ttt_forward(draft, ids, features, attention, ttt_length=TTT, deep_rows=past_the_end)
+    full = ttt_forward(draft, ids, features, attention, ttt_length=TTT, return_hidden=True)
+    with pytest.raises(ValueError, match="pass ttt_forward the same deep_rows"):
+        ttt_loss(full, *target_top_k(logits, 5)[:1], loss_mask, draft.t2d, head=draft.lm_head, deep_rows=rows,
+                 target_ids=target_top_k(logits, 5)[1])  # fmt: skip

@@ -47,7 +47,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt_layer import routed_layer_step
-from eagle3_hf.training.ttt_rows import DeepRows
+from eagle3_hf.training.ttt_rows import DeepRows, check_deep_rows
 
 # (rows [M, H], p [M, k] or [M, Vd], columns [M, k] or None) -> (row_loss [M], argmax draft id [M])
 FusedHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
@@ -228,6 +228,8 @@ def ttt_forward(
     if not draft.embedding_loaded:
         raise ValueError("The draft has no token embedding; load it with `draft.load_target_embedding(target)`.")
     batch, seq = input_ids.shape
+    if deep_rows is not None:
+        check_deep_rows(deep_rows, batch, seq)
     dtype = draft.fc.weight.dtype
     hidden = draft.fuse(target_hidden_states.to(dtype))  # g_0 [B, S, H]
     # Under autocast the layer computes in bf16/fp16: build the mask and RoPE tables in that dtype.
@@ -242,7 +244,7 @@ def ttt_forward(
     logits = []
     for step in range(ttt_length):
         if step == 1 and deep_rows is not None:
-            # Deep steps at the sampled positions only: their rows of the state and the mask; the step-0 keys stay whole.
+            # Deep steps at the sampled positions only: their rows of the state and mask; step-0 keys stay whole.
             index = deep_rows.positions.to(hidden.device)  # [B, r]
             hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, r, H]
             mask = mask.gather(2, index[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))  # [B, 1, r, S]
@@ -338,6 +340,13 @@ def ttt_loss(
         )
     draft_to_target = torch.nonzero(t2d)[:, 0]  # [Vd] target id of each draft id (d2t as absolute ids)
     seq = loss_mask.shape[1]
+    if deep_rows is not None:
+        check_deep_rows(deep_rows, loss_mask.shape[0], seq)
+        if len(step_logits) > 1 and step_logits[1].shape[:2] != deep_rows.positions.shape:
+            raise ValueError(
+                f"Step 1's outputs have shape {tuple(step_logits[1].shape)}, not [batch, r] = "
+                f"{tuple(deep_rows.positions.shape)}: pass ttt_forward the same deep_rows."
+            )
     steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq, deep_rows if step else None)
              for step, outputs in enumerate(step_logits)]  # fmt: skip
     if fused_head is not None:

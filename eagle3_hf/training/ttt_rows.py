@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeepRows", "deep_candidates", "sample_deep_rows"]
+__all__ = ["DeepRows", "check_deep_rows", "deep_candidates", "sample_deep_rows"]
 
 
 @dataclass
@@ -97,3 +97,15 @@ def sample_deep_rows(
     order = torch.where(valid, chosen, chosen + seq).argsort(dim=1)
     return DeepRows(positions=chosen.gather(1, order), valid=valid.gather(1, order))
 
+
+def check_deep_rows(deep_rows: DeepRows, batch: int, seq: int) -> None:
+    """Raise `ValueError` unless `deep_rows` indexes positions of a ``[batch, seq]`` batch."""
+    positions, valid = deep_rows.positions, deep_rows.valid
+    if positions.dim() != 2 or positions.shape[0] != batch or valid.shape != positions.shape:
+        raise ValueError(
+            f"deep_rows.positions {tuple(positions.shape)} and .valid {tuple(valid.shape)} must both be "
+            f"[batch={batch}, r]."
+        )
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= seq):
+        low, high = int(positions.min()), int(positions.max())
+        raise ValueError(f"deep_rows.positions must lie in [0, {seq}), got {low}..{high}.")
