@@ -406,8 +406,7 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
         """This process's CPU seconds in `train()`, summed over a resumed run's earlier parts (from the logs the
         checkpoint carries): the x axis of learning curves against CPU-hours."""
         if self._cpu_earlier is None:
-            history = self.state.log_history
-            self._cpu_earlier = next((log["cpu_s"] for log in reversed(history) if "cpu_s" in log), 0.0)
+            self._cpu_earlier = next((log["cpu_s"] for log in reversed(self.state.log_history) if "cpu_s" in log), 0.0)
         return self._cpu_earlier + time.process_time() - self._cpu_at_start
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

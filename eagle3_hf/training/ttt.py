@@ -32,9 +32,8 @@ Cost: the head over a 16k-id draft vocabulary and its softmax are most of a step
 out-of-vocabulary positions need them, so training runs the head inside the loss on the rows that carry loss
 (``ttt_forward(return_hidden=True)`` + ``ttt_loss(head=...)``), and top-k soft labels stay sparse (``[M, k]``).
 The trainer goes one step further (``ttt_loss(fused_head=...)``, `eagle3_hf.training.head_loss`): one call runs the
-head and the loss over every step's rows at once, with the same loss and gradients. With ``deep_rows``
-(`eagle3_hf.training.ttt_rows`, the trainer's ``ttt_deep_fraction``) steps ``1..K-1`` run only at a sampled share of
-the positions; their chains depend on no other position's deep steps, so what they compute there is exact.
+head and the loss over every step's rows at once, with the same loss and gradients. ``deep_rows`` runs steps
+``1..K-1`` only at sampled positions, exactly (`eagle3_hf.training.ttt_rows`, the trainer's ``ttt_deep_fraction``).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt_layer import routed_layer_step
-from eagle3_hf.training.ttt_rows import DeepRows, check_deep_rows
+from eagle3_hf.training.ttt_rows import DeepRows, check_deep_rows, deep_step_selection, deep_step_tokens, take_deep_rows
 
 # (rows [M, H], p [M, k] or [M, Vd], columns [M, k] or None) -> (row_loss [M], argmax draft id [M])
 FusedHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
@@ -243,19 +242,12 @@ def ttt_forward(
     previous: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: k, v of each earlier step
     logits = []
     for step in range(ttt_length):
-        if step == 1 and deep_rows is not None:
-            # Deep steps at the sampled positions only: their rows of the state and mask; step-0 keys stay whole.
-            index = deep_rows.positions.to(hidden.device)  # [B, r]
-            hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, r, H]
-            mask = mask.gather(2, index[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))  # [B, 1, r, S]
-            positions = index
+        sampled = step > 0 and deep_rows is not None
+        if step == 1 and sampled:  # deep steps at the sampled positions only; the step-0 keys stay whole
+            hidden, mask, positions = take_deep_rows(deep_rows, hidden, mask)
         # Teacher forcing: step j at position t reads x_{t+1+j}; positions past the end read id 0 (never supervised).
-        if step == 0 or deep_rows is None:
-            embeds = draft.embed_tokens(shift_left(input_ids, 1 + step)).to(dtype)
-        else:
-            read = positions + 1 + step  # [B, r]
-            tokens = torch.where(read < seq, input_ids.gather(1, read.clamp(max=seq - 1)), 0)
-            embeds = draft.embed_tokens(tokens).to(dtype)
+        tokens = deep_step_tokens(input_ids, positions, step) if sampled else shift_left(input_ids, 1 + step)
+        embeds = draft.embed_tokens(tokens).to(dtype)
         cos, sin = draft.rotary_emb(hidden, positions + step)  # RoPE position t + j
         out = hidden
         for layer, earlier in zip(layers, previous):  # each layer its own FSDP call and checkpointed segment
@@ -341,12 +333,7 @@ def ttt_loss(
     draft_to_target = torch.nonzero(t2d)[:, 0]  # [Vd] target id of each draft id (d2t as absolute ids)
     seq = loss_mask.shape[1]
     if deep_rows is not None:
-        check_deep_rows(deep_rows, loss_mask.shape[0], seq)
-        if len(step_logits) > 1 and step_logits[1].shape[:2] != deep_rows.positions.shape:
-            raise ValueError(
-                f"Step 1's outputs have shape {tuple(step_logits[1].shape)}, not [batch, r] = "
-                f"{tuple(deep_rows.positions.shape)}: pass ttt_forward the same deep_rows."
-            )
+        check_deep_rows(deep_rows, loss_mask.shape[0], seq, step_logits[1] if len(step_logits) > 1 else None)
     steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq, deep_rows if step else None)
              for step, outputs in enumerate(step_logits)]  # fmt: skip
     if fused_head is not None:
@@ -401,13 +388,8 @@ def _step_targets(
         targets = target_logits[:, target_rows][selected]
         ids = None if target_ids is None else target_ids[:, target_rows][selected]
     else:
-        positions = deep_rows.positions.to(loss_mask.device)  # [B, r]
-        predicted = positions + 2 + step  # the loss-mask entry of the token each sampled position predicts
-        selected = deep_rows.valid.to(loss_mask.device) & (predicted < seq)
-        selected &= loss_mask.gather(1, predicted.clamp(max=seq - 1)).bool()  # [B, r]
+        selected, batch_index, target_index = deep_step_selection(deep_rows, loss_mask, step)
         rows = outputs[selected]
-        batch_index, column = selected.nonzero(as_tuple=True)
-        target_index = positions[batch_index, column] + 1 + step
         targets = target_logits[batch_index, target_index]
         ids = None if target_ids is None else target_ids[batch_index, target_index]
     if ids is not None:

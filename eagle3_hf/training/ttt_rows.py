@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeepRows", "check_deep_rows", "deep_candidates", "sample_deep_rows"]
+__all__ = [
+    "DeepRows", "check_deep_rows", "deep_candidates", "deep_step_selection", "deep_step_tokens", "sample_deep_rows",
+    "take_deep_rows",
+]
 
 
 @dataclass
@@ -98,8 +101,9 @@ def sample_deep_rows(
     return DeepRows(positions=chosen.gather(1, order), valid=valid.gather(1, order))
 
 
-def check_deep_rows(deep_rows: DeepRows, batch: int, seq: int) -> None:
-    """Raise `ValueError` unless `deep_rows` indexes positions of a ``[batch, seq]`` batch."""
+def check_deep_rows(deep_rows: DeepRows, batch: int, seq: int, step_outputs: torch.Tensor | None = None) -> None:
+    """Raise `ValueError` unless `deep_rows` indexes positions of a ``[batch, seq]`` batch (and `step_outputs`, a
+    deep step's outputs when given, were computed at them)."""
     positions, valid = deep_rows.positions, deep_rows.valid
     if positions.dim() != 2 or positions.shape[0] != batch or valid.shape != positions.shape:
         raise ValueError(
@@ -109,3 +113,42 @@ def check_deep_rows(deep_rows: DeepRows, batch: int, seq: int) -> None:
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= seq):
         low, high = int(positions.min()), int(positions.max())
         raise ValueError(f"deep_rows.positions must lie in [0, {seq}), got {low}..{high}.")
+    if step_outputs is not None and step_outputs.shape[:2] != positions.shape:
+        raise ValueError(
+            f"Step 1's outputs have shape {tuple(step_outputs.shape)}, not [batch, r] = {tuple(positions.shape)}: "
+            "pass ttt_forward the same deep_rows."
+        )
+
+
+def take_deep_rows(
+    deep_rows: DeepRows, hidden: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled positions' rows of the step-0 state ``[B, S, H] -> [B, r, H]`` and of the additive mask
+    ``[B, 1, S, S] -> [B, 1, r, S]`` (their causal view of the step-0 keys), and the positions ``[B, r]``."""
+    index = deep_rows.positions.to(hidden.device)
+    hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+    mask = mask.gather(2, index[:, None, :, None].expand(-1, 1, -1, mask.shape[-1]))
+    return hidden, mask, index
+
+
+def deep_step_tokens(input_ids: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
+    """``[B, r]`` the token ``x_{t+1+step}`` each sampled position ``t`` reads at TTT step `step` (id 0 past the end,
+    where nothing is supervised)."""
+    seq = input_ids.shape[1]
+    read = positions + 1 + step
+    return torch.where(read < seq, input_ids.gather(1, read.clamp(max=seq - 1)), 0)
+
+
+def deep_step_selection(
+    deep_rows: DeepRows, loss_mask: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which sampled rows TTT step `step` supervises: ``selected`` ``[B, r]`` bool (valid, and the predicted token
+    ``x_{t+2+step}`` inside the row and supervised), and for those rows, in row-major order, their batch index and
+    the target-logit row ``t+1+step`` (``[N]`` each)."""
+    seq = loss_mask.shape[1]
+    positions = deep_rows.positions.to(loss_mask.device)
+    predicted = positions + 2 + step  # the loss-mask entry of the token each sampled position predicts
+    selected = deep_rows.valid.to(loss_mask.device) & (predicted < seq)
+    selected &= loss_mask.gather(1, predicted.clamp(max=seq - 1)).bool()
+    batch_index, column = selected.nonzero(as_tuple=True)
+    return selected, batch_index, positions[batch_index, column] + 1 + step
