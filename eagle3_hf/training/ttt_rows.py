@@ -6,10 +6,12 @@ one position depends on no other position's deep steps: running steps ``1..K-1``
 gives, at those positions, exactly the states and logits of the full unroll. Step 0 still runs everywhere (its keys
 are every later step's causal context, and it is the step acceptance depends on most).
 
-Why it pays: after the target's forward, the draft's cost grows with the rows it unrolls, ``K`` times the sequence
-in the full unroll; with a share ``f`` of the positions it is ``1 + f * (K - 1)`` times. Each deep step's loss is
-then the mean over the sampled positions it supervises, an unbiased estimate (as a ratio) of the full step's mean:
-deep steps see fewer positions per conversation, step 0 all of them.
+What it saves: after the target's forward, the draft's cost grows with the rows it unrolls, ``K`` times the
+sequence in the full unroll; with a share ``f`` of the positions it is ``1 + f * (K - 1)`` times. Each deep step's
+loss is then the mean over the sampled positions it supervises, an unbiased estimate (as a ratio) of the full step's
+mean: deep steps see fewer positions per conversation, step 0 all of them. What it costs: the deep steps' gradients
+also teach step 0, so a conversation teaches less (measured in docs/research/training-cost.md: at K=4, f=0.25 no
+gain at equal CPU time).
 
 Positions are sampled per row among those where at least one deep step is supervised, at the same rate in every
 row; with ``fraction=1`` every such position is taken and the loss equals the full unroll's.
