@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
-    "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "SPLITS", "Eagle3TrainingOptions"
+    "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "SPLITS", "Eagle3TrainingOptions",
+    "check_deep_fraction",
 ]
 
 # Defaults shared by the training modules and the command line, kept here so that reading them imports nothing.
@@ -69,10 +70,7 @@ class Eagle3TrainingOptions:
             raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
-        if isinstance(self.ttt_deep_fraction, bool) or not isinstance(self.ttt_deep_fraction, (int, float)) or not (
-            0 < self.ttt_deep_fraction <= 1
-        ):
-            raise ValueError(f"ttt_deep_fraction must be in (0, 1], got {self.ttt_deep_fraction!r}.")
+        check_deep_fraction(self.ttt_deep_fraction)
         if self.feature_mode not in ("online", "offline"):
             raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
         if not isinstance(self.logits_top_k, int) or self.logits_top_k < 1:
@@ -84,3 +82,11 @@ class Eagle3TrainingOptions:
             )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be None or >= 1, got {self.draft_vocab_size!r}.")
+
+
+def check_deep_fraction(fraction: float) -> None:
+    """Raise `ValueError` unless `fraction` (``ttt_deep_fraction``) is a number in ``(0, 1]``."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(
+            f"ttt_deep_fraction (the share of positions running deep TTT steps) must be in (0, 1], got {fraction!r}."
+        )

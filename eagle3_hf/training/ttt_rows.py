@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3_hf.training.arguments import check_deep_fraction
+
 __all__ = [
     "DeepRows", "check_deep_rows", "deep_candidates", "deep_step_selection", "deep_step_tokens", "sample_deep_rows",
     "take_deep_rows",
@@ -84,8 +86,7 @@ def sample_deep_rows(
     """
     if not isinstance(ttt_length, int) or ttt_length < 2:
         raise ValueError(f"Sampling deep TTT steps needs ttt_length >= 2, got {ttt_length!r}.")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"The share of positions running deep TTT steps must be in (0, 1], got {fraction!r}.")
+    check_deep_fraction(fraction)
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq], got shape {tuple(loss_mask.shape)}.")
     candidates = deep_candidates(loss_mask, ttt_length)  # [B, S]
