@@ -221,3 +221,29 @@ def test_offline_training_counts_a_placeholder_vocabulary_on_the_features_tokens
     Eagle3Trainer(draft, args, train_dataset=data)
     expected = build_draft_vocab(rows, target.config.vocab_size, 40)
     assert torch.equal(draft.t2d, expected.t2d) and torch.equal(draft.d2t, expected.d2t)
+
+
+def test_an_online_run_resumes_on_the_offline_features_of_its_data(chat_target, tmp_path, capsys):
+    """A run started online can switch to offline features of its data once they exist (from its second epoch on,
+    where they pay) and go on as if nothing changed: the features hold the training split in the online data set's
+    order, the trainer's sampler depends only on the seed and the data set's length, and fp32 features are the
+    online ones."""
+    folder, data = chat_target
+    common = ["--target", folder, "--ttt-length", "2", "--draft-vocab-size", "64", "--logging-steps", "1",
+              "--max-steps", "4", "--save-steps", "2", "--save-total-limit", "0", "--batch-size", "2",
+              "--seed", "5"]  # fmt: skip
+    online, switched, feats = tmp_path / "online", tmp_path / "switched", tmp_path / "features"
+    assert cli_main([str(a) for a in ("train", "--data", data, "--output", online, *common)]) == 0
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(feats),
+                     "--storage-dtype", "float32"]) == 0  # fmt: skip
+    shutil.copytree(online / "checkpoint-2", switched / "checkpoint-2")
+    capsys.readouterr()
+    assert cli_main([str(a) for a in ("train", "--features", feats, "--output", switched, *common, "--resume")]) == 0
+    assert f"Resuming from {switched / 'checkpoint-2'}." in capsys.readouterr().out
+    logs = [json.loads((run / "trainer_state.json").read_text())["log_history"] for run in (online, switched)]
+    losses = [[(e["step"], e["loss"]) for e in log if "loss" in e and e["step"] > 2] for log in logs]
+    assert [s for s, _ in losses[0]] == [s for s, _ in losses[1]] == [3, 4]
+    assert [v for _, v in losses[1]] == pytest.approx([v for _, v in losses[0]], rel=1e-4)
+    weights = [Eagle3DraftModel.from_pretrained(run).state_dict() for run in (online, switched)]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-5, rtol=1e-4, msg=name)
