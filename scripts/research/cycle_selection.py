@@ -17,9 +17,10 @@ actual cycles::
     python scripts/research/cycle_selection.py --data work_data/mtbench_every8_128.jsonl \\
         --draft eagle3_hf/drafts/smollm2-135m-instruct --generate 128
 
-The answers must be the target's greedy ones (the regenerated MT-bench answers are) for the walk to follow what
-greedy decoding would decode; where the target's top token differs from the answer's next token, the answer's token
-is what is walked and the target's top token what a drafted token is checked against, as verification does.
+Walking given answers tells what the chain would do if it decoded that text; a drafted token is checked against the
+target's top token there, as verification checks it. `bench` decodes its own text, which leaves the regenerated
+answers within a few tokens on most prompts (near-ties), hence ``--generate``: the walk over the decoded text is set
+beside the chain's actual cycles, and the report says after how many tokens each decoded text leaves its answer.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def main() -> int:
     target, draft = targets[torch.bfloat16].eval(), drafts[torch.bfloat16].eval()
     report: dict = {"draft": args.draft, "data": args.data, "dtype": "bfloat16", "depth": args.depth}
     texts = {"answers": []}  # which text is walked: the given answers, and the chain's own output
-    decoded: list[int] = []
+    decoded: list[list[int]] = []  # the chain's accepted drafted tokens per cycle, per prompt
     with torch.no_grad():
         for row in rows:
             answer = [i for i, m in enumerate(row["loss_mask"]) if m]
