@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from eagle3_hf.generation.verify_choice import cpu_name
 from eagle3_hf.model_card import format_rates
 from eagle3_hf.precision import NATIVE_BF16_FLAGS, cpu_flags
 
@@ -104,17 +105,6 @@ def divergence(
     return report
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment() -> dict[str, Any]:
     import transformers
 
@@ -127,7 +117,7 @@ def environment() -> dict[str, Any]:
         "eagle3_hf": eagle3_hf.__version__,
         "python": sys.version.split()[0],
         "threads": torch.get_num_threads(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "machine": platform.machine(),
         "cores": os.cpu_count(),
         "bf16_cpu_flags": sorted(f for f in NATIVE_BF16_FLAGS if f in flags),
@@ -168,6 +158,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"greedy tree outputs identical to plain at the same precision: {report['identical']:.0%}")
     if "row_exact" in report:
         lines.append(f"row-invariance probe: {report['row_exact']['description']}")
+        if "verification" in report["row_exact"]:
+            lines.append(f"verification: {report['row_exact']['verification']} "
+                         f"({report['row_exact']['verification_reason']})")  # fmt: skip
     for d in report.get("divergences", []):
         gap = "n/a" if d["token_gap"] is None else f"{d['token_gap']:.3f}"
         ulps = d.get("margin_ulps")
@@ -219,6 +212,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         )
     if "row_exact" in report:
         lines.append(f"Row-invariance probe: {report['row_exact']['description']}.")
+        if "verification" in report["row_exact"]:
+            lines.append(f"Verification: {report['row_exact']['verification']}.")
     flips = [d["margin_ulps"] for d in report.get("divergences", []) if d.get("margin_ulps") is not None]
     if flips:
         lines.append(

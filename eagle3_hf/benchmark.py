@@ -334,16 +334,24 @@ def _add_divergences(report: dict, results: dict, configs: list[BenchConfig], pr
         report["divergences"] = found
 
 
-def row_exact_report(target: Any, exact_verify: bool = True) -> dict[str, Any]:
-    """The row-invariance probe (generation/probe.py) on the speculative target, as decoding verifies on its device
-    (row-exact on the CPU unless `exact_verify` is False): whether its verify forward equals one-token steps bit for
-    bit, and if not which op first differs."""
+def row_exact_report(target: Any, exact_verify: bool | str = "auto") -> dict[str, Any]:
+    """Which verification the speculative target's calls ran for `exact_verify` and why (verify_choice.py), with the
+    row-invariance probe behind the choice (generation/probe.py): whether a row-exact verify forward equals one-token
+    steps bit for bit, and if not which op first differs (off the CPU: the one tree-masked call decoding runs)."""
     from eagle3_hf.generation.probe import probe_row_exactness
+    from eagle3_hf.generation.verify_choice import choose_verification, probe_for_target
 
-    result = probe_row_exactness(target, exact_verify=exact_verify and target.device.type == "cpu")
+    choice = choose_verification(target, exact_verify)
+    if choice.probe is not None:
+        result = choice.probe
+    elif target.device.type == "cpu":
+        result = probe_for_target(target)  # exact_verify=False: still say what row-exact would have given
+    else:
+        result = probe_row_exactness(target, exact_verify=False)
     return {
         "identical": result.identical, "first_difference": result.first_difference,
         "max_logit_difference": result.max_logit_difference, "description": result.describe(),
+        "verification": choice.mode, "verification_reason": choice.reason,
     }  # fmt: skip
 
 

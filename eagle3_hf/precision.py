@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI's --help must n
 
 __all__ = [
     "DTYPE_CHOICES", "NATIVE_BF16_FLAGS", "add_exact_verify_argument", "add_precision_arguments", "cpu_flags",
-    "default_threads", "emulated_bf16_warning", "has_native_bf16_matmul", "resolve_dtype", "short_name",
+    "default_threads", "emulated_bf16_warning", "exact_verify_setting", "has_native_bf16_matmul", "resolve_dtype", "short_name",
 ]
 
 # CPU feature flags (Linux /proc/cpuinfo names) that give native bf16 matmul.
@@ -108,9 +108,17 @@ def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
 
 
 def add_exact_verify_argument(parser: Any) -> None:
-    """`--no-exact-verify`, shared by `generate` and `bench`."""
+    """`--exact-verify {auto,on,off}` (and its old spelling `--no-exact-verify`), shared by `generate` and `bench`."""
     parser.add_argument(
-        "--no-exact-verify", action="store_true",
-        help="verify each tree in one tree-masked attention call instead of row-exact (cheaper; in bf16 the output "
-        "then equals plain decoding only up to near-ties)",
+        "--exact-verify", choices=("auto", "on", "off"), default="auto",
+        help="row-exact tree verification (bf16 output token-identical to plain decoding where the hardware's "
+        "kernels allow it): auto runs it where the row-invariance probe proves it bit for bit on this CPU and verifies "
+        "in one tree-masked call elsewhere; on / off force it (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument("--no-exact-verify", dest="exact_verify", action="store_const", const="off",
+                        help="the same as --exact-verify off")  # fmt: skip
+
+
+def exact_verify_setting(args: Any) -> bool | str:
+    """The `exact_verify` value for `generate()` from the parsed `--exact-verify` option."""
+    return {"auto": "auto", "on": True, "off": False}[args.exact_verify]

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments
+from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
 
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
 METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree")
@@ -138,8 +138,7 @@ def run_cli(args: Any) -> int:
         }.items()
         if v is not None
     }
-    if args.no_exact_verify:
-        tree_kwargs["exact_verify"] = False
+    tree_kwargs["exact_verify"] = exact_verify_setting(args)
     lookup_kwargs = {
         k: v
         for k, v in {
@@ -155,7 +154,7 @@ def run_cli(args: Any) -> int:
         lookup_kwargs=lookup_kwargs,
     )
     if any(c.method in TREE_METHODS for c in configs):
-        report["row_exact"] = row_exact_report(targets[spec_dtype], exact_verify=not args.no_exact_verify)
+        report["row_exact"] = row_exact_report(targets[spec_dtype], exact_verify=exact_verify_setting(args))
     source = "MT-bench turn 1" if args.prompts is None else os.path.basename(prompts_path)
     report["config"] = {
         "target": args.target, "draft": args.draft or "(shipped)", "dtype": str(spec_dtype).removeprefix("torch."),

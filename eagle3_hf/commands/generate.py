@@ -94,9 +94,10 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     import torch
     from transformers import TextStreamer
 
-    from eagle3_hf.precision import short_name
+    from eagle3_hf.generation.verify_choice import PROVEN
+    from eagle3_hf.precision import exact_verify_setting, short_name
 
-    eagle_kwargs = dict(kwargs, exact_verify=not args.no_exact_verify)
+    eagle_kwargs = dict(kwargs, exact_verify=exact_verify_setting(args))
     eagle_kwargs["context_lookup"] = args.context_lookup
     method = "lookup tree" if args.draft == "lookup" else "EAGLE-3"  # with the context lookup (default) or without
     if warm_up:  # the first call of each method pays one-off costs (allocations, kernel selection)
@@ -113,6 +114,7 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
         f"\n{method} ({setup}): {new.numel()} tokens in {eagle_s:.2f} s ({new.numel() / eagle_s:.1f} tok/s); "
         f"tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted ({len(drafted) / max(cycles, 1):.0%})"
     )
+    print(f"verification: {out.verification} ({out.verification_reason})")
     if out.accepted_from_lookup or out.accepted_from_both:
         print(f"accepted tokens from the draft {out.accepted_from_draft}, the context lookup "
               f"{out.accepted_from_lookup}, both {out.accepted_from_both}")  # fmt: skip
@@ -132,10 +134,10 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
         print(", outputs differ (sampling)")
     elif dtype == torch.float32:
         print(f", outputs differ from token {_first_difference(plain_new, new)}: unexpected for greedy fp32")
-    elif not args.no_exact_verify and target.device.type == "cpu":
+    elif out.verification_reason.startswith(PROVEN):
         print(
             f", outputs differ from token {_first_difference(plain_new, new)}: unexpected with row-exact verification "
-            "(`eagle3-hf bench` runs the row-invariance probe, which names the op that differs)"
+            "that the row-invariance probe proved bit for bit on this CPU"
         )
     else:  # one tree-masked verify call rounds differently from a one-token step, so a near-tie can flip
         print(

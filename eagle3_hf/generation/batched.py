@@ -96,7 +96,7 @@ class BatchRun:
         return self.out.shape[0]
 
 
-def refuse_unsupported(rows: int, draft: Eagle3DraftModel | None, context_lookup: bool, exact_verify: bool | None,
+def refuse_unsupported(rows: int, draft: Eagle3DraftModel | None, context_lookup: bool, exact_verify: bool | str,
                        generation_config: GenerationConfig) -> None:  # fmt: skip
     """A clear ValueError for what the batched loop does not do (yet)."""
     if draft is None or context_lookup:
@@ -104,10 +104,10 @@ def refuse_unsupported(rows: int, draft: Eagle3DraftModel | None, context_lookup
             f"The context lookup (ContextLookup, context_lookup=True) decodes one prompt at a time; got a batch of "
             f"{rows}. Generate the prompts one at a time, or use an Eagle3DraftModel without context_lookup."
         )
-    if exact_verify:
+    if exact_verify is True:
         raise ValueError(
             f"Row-exact verification (exact_verify=True) supports batch size 1; got a batch of {rows}. Batches verify "
-            "in one tree-masked call (exact_verify=False, the batch default): greedy bf16 output then equals plain "
+            "in one tree-masked call (exact_verify='auto' or False): greedy bf16 output then equals plain "
             "decoding up to near-ties."
         )
     if generation_config.output_scores or generation_config.output_logits:

@@ -43,11 +43,13 @@ from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.hybrid import LookupOptions, LookupState
 from eagle3_hf.generation.timing import NO_TIMER, NullTimer
+from eagle3_hf.generation.verify_choice import VerifyChoice, check_exact_verify, choose_verification
 from eagle3_hf.generation.steps import (
     DecodeRun,
     accept,
     draft_tree,
     emit,
+    left_padding,
     prefill,
     record_cycle,
     update_caches_and_features,
@@ -81,6 +83,7 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
         accept_sources: per cycle, `(draft, lookup, both)`: how many of its accepted tree tokens (the bonus token
             excluded) the draft proposed, the context lookup proposed, or both did.
         accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
+        verification: "row-exact" or "one-call", the verification that ran; verification_reason: why (verify_choice.py).
 
     A batch of B > 1 prompts gives `accept_lengths` and `tree_sizes` per row (a list each), the batch's times, no
     lookup statistics and no cache.
@@ -95,6 +98,8 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
     accepted_from_draft: int | None = None
     accepted_from_lookup: int | None = None
     accepted_from_both: int | None = None
+    verification: str | None = None
+    verification_reason: str | None = None
 
 
 @dataclass
@@ -239,7 +244,7 @@ def eagle3_decoding(
     tree_top_k: int | None = None,
     tree_total_tokens: int | None = None,
     adaptive_tree: bool = True,
-    exact_verify: bool | None = None,
+    exact_verify: bool | str = "auto",
     context_lookup: bool | None = None,
     lookup_depth: int | None = None,
     lookup_branches: int | None = None,
@@ -250,9 +255,10 @@ def eagle3_decoding(
 
     Per-call options (defaults from the draft config): `tree_depth`, `tree_top_k`, `tree_total_tokens`;
     `adaptive_tree=False` always drafts the full tree instead of sizing it with the cost model.
-    `exact_verify` (default: on the CPU) verifies each tree node with the attention call shape of the target's own
-    decoding step, so that bf16 output equals plain bf16 decoding token for token (exact_attention.py); False
-    verifies the whole tree in one tree-masked attention call (identical in fp32 up to near-ties, cheaper).
+    `exact_verify="auto"` (default) verifies each tree node with the attention call shape of the target's own
+    decoding step (exact_attention.py) where the row-invariance probe proves that reproduces one-token steps bit for
+    bit on this hardware, and the whole tree in one tree-masked call elsewhere (verify_choice.py); True / False force
+    one or the other. The output's `verification` says which ran.
 
     Context lookup (hybrid.py): `context_lookup` (default: on for one prompt, the fastest method measured; off for a
     batch, which does not support it yet) grafts the continuations of the current suffix's earlier
@@ -297,12 +303,13 @@ def eagle3_decoding(
         )
     do_sample = bool(generation_config.do_sample)
     return_dict = bool(generation_config.return_dict_in_generate)
+    exact_verify = check_exact_verify(exact_verify)
     if input_ids.shape[0] > 1:
         cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
         return _decode_batch(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
                              cache, model_kwargs.get("attention_mask"), eagle3_streamer, bool(context_lookup),
                              exact_verify, adaptive_tree)  # fmt: skip
-    start = _left_padding(input_ids, model_kwargs.get("attention_mask"))
+    start = left_padding(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     lookup = None
     if context_lookup is None or context_lookup:
@@ -324,13 +331,12 @@ def eagle3_decoding(
         cost=CycleCostModel.for_device(model.device.type, model.dtype),
     )  # fmt: skip
 
-    if exact_verify is None:
-        exact_verify = model.device.type == "cpu"
-    with exact_verification(model, enabled=exact_verify) as run.exact:
+    choice = choose_verification(model, exact_verify)
+    with exact_verification(model, enabled=choice.exact) as run.exact:
         if run.exact is not None:
             run.exact.timer = run.timer
         _decode(run)
-    return _finish(run, return_dict)
+    return _finish(run, return_dict, choice)
 
 
 def _decode(run: DecodeRun) -> None:
@@ -364,7 +370,7 @@ def _decode(run: DecodeRun) -> None:
 def _decode_batch(
     model: PreTrainedModel, draft: Eagle3DraftModel | None, input_ids: torch.Tensor, logits_processor: Any,
     stopping_criteria: Any, generation_config: GenerationConfig, budget: TreeBudget, cache: Any,
-    attention_mask: torch.Tensor | None, streamer: Any, context_lookup: bool, exact_verify: bool | None,
+    attention_mask: torch.Tensor | None, streamer: Any, context_lookup: bool, exact_verify: bool | str,
     adaptive_tree: bool,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
     """A batch of B > 1 prompts (batched.py), after refusing what that loop does not do yet."""
@@ -373,32 +379,15 @@ def _decode_batch(
                            cache, attention_mask, streamer, adaptive_tree)  # fmt: skip
     if not generation_config.return_dict_in_generate:
         return batched_sequences(run)
+    choice = choose_verification(model, exact_verify, rows=input_ids.shape[0])
     return Eagle3GenerateOutput(
         sequences=batched_sequences(run), accept_lengths=run.accept_lengths, tree_sizes=run.tree_sizes,
         draft_time=run.draft_time, verify_time=run.verify_time, prefill_time=run.prefill_time,
+        verification=choice.mode, verification_reason=choice.reason,
     )  # no cache: the loop drops finished rows from it, so it no longer matches the output's rows
 
 
-def _left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
-    """Tokens of left padding to skip. Batch-1 left padding carries no information: the target and draft never see
-    it, while logits processors and stopping criteria see the whole sequence, as in plain generate()."""
-    if attention_mask is None:
-        return 0
-    attention_mask = attention_mask.to(input_ids.device)
-    if bool(attention_mask.all()):
-        return 0
-    valid = attention_mask[0].bool()
-    first = int(valid.nonzero()[0]) if valid.any() else input_ids.shape[1]
-    if not bool(valid[first:].all()):
-        raise ValueError(
-            "EAGLE-3 decoding accepts left padding only, but the attention_mask has zeros after the first token "
-            f"(mask {attention_mask[0].tolist()}). Without an explicit attention_mask, generate() masks every "
-            "prompt token equal to pad_token_id: pass attention_mask=torch.ones_like(input_ids)."
-        )
-    return first
-
-
-def _finish(run: DecodeRun, return_dict: bool) -> torch.LongTensor | Eagle3GenerateOutput:
+def _finish(run: DecodeRun, return_dict: bool, choice: VerifyChoice) -> torch.LongTensor | Eagle3GenerateOutput:
     if run.streamer is not None:
         run.streamer.end()
     if not return_dict:
@@ -416,5 +405,7 @@ def _finish(run: DecodeRun, return_dict: bool) -> torch.LongTensor | Eagle3Gener
         accepted_from_draft=sum(c[0] for c in run.accept_sources),
         accepted_from_lookup=sum(c[1] for c in run.accept_sources),
         accepted_from_both=sum(c[2] for c in run.accept_sources),
+        verification=choice.mode,
+        verification_reason=choice.reason,
         **{generate_output_cache_field(): run.cache},
     )

@@ -386,3 +386,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    """Tokens of left padding to skip. Batch-1 left padding carries no information: the target and draft never see
+    it, while logits processors and stopping criteria see the whole sequence, as in plain generate()."""
+    if attention_mask is None:
+        return 0
+    attention_mask = attention_mask.to(input_ids.device)
+    if bool(attention_mask.all()):
+        return 0
+    valid = attention_mask[0].bool()
+    first = int(valid.nonzero()[0]) if valid.any() else input_ids.shape[1]
+    if not bool(valid[first:].all()):
+        raise ValueError(
+            "EAGLE-3 decoding accepts left padding only, but the attention_mask has zeros after the first token "
+            f"(mask {attention_mask[0].tolist()}). Without an explicit attention_mask, generate() masks every "
+            "prompt token equal to pad_token_id: pass attention_mask=torch.ones_like(input_ids)."
+        )
+    return first
