@@ -1,19 +1,17 @@
-"""The batch cost model: the same draft confidence buys smaller trees as the batch grows, and none at all once a
-plain batched step is faster per token."""
+"""The cost model over a batch (`CycleCostModel.rows`): the same draft confidence buys smaller trees as the batch
+grows, and none at all once a plain batched step is faster per token; one row decides as one prompt does."""
 
 import torch
 
-from eagle3_hf.generation.batched_cost import BatchCostModel
-from eagle3_hf.generation.cost_model import LinearCost
+from eagle3_hf.generation.cost_model import CycleCostModel, LinearCost
 
 # per-row node path probabilities, best first: a confident chain, then weaker siblings
 PROBS = torch.tensor([0.8, 0.6, 0.45, 0.3, 0.2, 0.15, 0.1, 0.08, 0.05, 0.04, 0.03, 0.02])
 
 
 def model(rows, a=1.0, b=0.02):
-    cost = BatchCostModel(verify=LinearCost(prior_a=a, prior_b=b), draft_step=LinearCost(prior_a=0.05, prior_b=0.0))
-    cost.rows = rows
-    return cost
+    return CycleCostModel(verify=LinearCost(prior_a=a, prior_b=b), draft_step=LinearCost(prior_a=0.05, prior_b=0.0),
+                          rows=rows)  # fmt: skip
 
 
 def test_trees_shrink_as_the_batch_grows_then_plain_steps_win():
@@ -37,3 +35,22 @@ def test_worth_drafting_and_deeper_follow_the_batch():
 def test_plain_rate_counts_every_row():
     cost = model(8)
     assert abs(cost.plain_rate() - 8 / (1.0 + 0.02 * 8)) < 1e-12
+
+
+def test_one_row_decides_as_one_prompt_with_the_batch_1_formulas():
+    """With one row the batch formulas are the batch-1 ones: a plain step's rate 1 / verify(1), a tree of the m best
+    candidates worth (1 + c * sum p) / verify(m + 1), a level worth its best node against a draft step and one more
+    verified token -- whether the probabilities come as one prompt's `[N]` or a batch's `[1, N]`."""
+    cost = model(1)
+    a, b = 1.0, 0.02
+    assert abs(cost.plain_rate() - 1 / (a + b)) < 1e-12
+    for draft_seconds in (0.0, 0.1, 1.0):
+        n, predicted = cost.choose_size(PROBS, draft_seconds)
+        rates = [(1 + float(PROBS[:m].double().sum())) / (draft_seconds + a + b * (m + 1)) for m in range(13)]
+        assert n == max(range(13), key=lambda m: rates[m]) and abs(predicted - float(PROBS[:n].double().sum())) < 1e-9
+        assert (n, predicted) == cost.choose_size(PROBS[None], draft_seconds)
+    for top in (PROBS[:4], torch.tensor([0.01, 0.01])):
+        best = max((1 + float(top[:m].double().sum())) / (a + b * (m + 1)) for m in range(1, top.numel() + 1))
+        assert cost.worth_drafting(top) == (best > 1 / (a + b)) == cost.worth_drafting(top[None])
+    for p in (0.01, 0.6):
+        assert cost.worth_deeper(p, 4) == (p * (a + b) > 0.05 + b)

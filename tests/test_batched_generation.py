@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import TextStreamer
 
-from test_sampling import CHI2_CRITICAL_0001, N, chi_square, exact_law_of_tokens_2_and_3
+from test_sampling import CHI2_CRITICAL_0001, N, REPEATING, chi_square, exact_law_of_tokens_2_and_3
 from test_sampling import TREES as SAMPLED_TREES, V as SV, models  # noqa: F401 (models: the sampling fixture)
 from test_generation import FAMILIES, NEW, TREES, V, eagle, first_new_token_at, letter_tokenizer, make_pair, plain
 from test_generation import smollm2  # noqa: F401 (the SmolLM2 fixture)
-from eagle3_hf.generation import batched
+from eagle3_hf.generation import drafting, target_cache
 
 LENGTHS = (3, 7, 12, 20)
 
@@ -69,14 +69,14 @@ def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
 
 
 def test_batched_greedy_matches_batch_one_eagle(cases):
-    """The batched draft builds each row's tree as the batch-1 loop does: the same accepted lengths per cycle."""
+    """A batch drafts each row's tree as the row alone (a batch of one) does: the same accepted lengths per cycle."""
     target, draft, prompts, _ = cases("llama")
     ids, mask = left_padded(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                          return_dict_in_generate=True, **TREES["wide"])  # fmt: skip
+                          return_dict_in_generate=True, context_lookup=False, **TREES["wide"])  # fmt: skip
     for row, prompt in enumerate(prompts):
         one = eagle(target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, exact_verify=False,
-                    context_lookup=False, **TREES["wide"])  # fmt: skip  (batches draft without the lookup)
+                    context_lookup=False, **TREES["wide"])  # fmt: skip
         assert one.accept_lengths == out.accept_lengths[row]
 
 
@@ -150,14 +150,14 @@ def test_stop_strings_without_eos_let_finished_rows_run_on(cases, tree):
 def test_compacting_the_caches_changes_nothing(cases, monkeypatch):
     """With compaction as eager as it gets (whenever a column no row needs exists), rows leaving the batch included."""
     target, draft, prompts, references = cases("gemma3")
-    monkeypatch.setattr(batched, "COMPACT_RATIO", 0.0)
-    monkeypatch.setattr(batched, "COMPACT_MIN_COLUMNS", 1)
+    monkeypatch.setattr(target_cache, "COMPACT_RATIO", 0.0)
+    monkeypatch.setattr(target_cache, "COMPACT_MIN_COLUMNS", 1)
     compactions = []
-    original = batched.TargetColumns.compact
-    draft_original = batched.BatchDraftState.compact
-    monkeypatch.setattr(batched.TargetColumns, "compact",
+    original = target_cache.TargetColumns.compact
+    draft_original = drafting.DraftState.compact
+    monkeypatch.setattr(target_cache.TargetColumns, "compact",
                         lambda self, cache: compactions.append("target") or original(self, cache))
-    monkeypatch.setattr(batched.BatchDraftState, "compact",
+    monkeypatch.setattr(drafting.DraftState, "compact",
                         lambda self: compactions.append("draft") or draft_original(self))
     ids, mask = left_padded(prompts)
     k, eos = first_new_token_at(references[3], prompts[3].shape[1], start=3)  # the longest row stops early
@@ -211,8 +211,7 @@ def test_a_text_streamer_is_refused_as_plain_generate_refuses_it(cases, tokenize
     assert str(our_error.value) == str(plain_error.value)
 
 
-@pytest.mark.parametrize("options", [dict(context_lookup=True), dict(exact_verify=True),
-                                     dict(output_scores=True, return_dict_in_generate=True)])  # fmt: skip
+@pytest.mark.parametrize("options", [dict(exact_verify=True), dict(output_scores=True, return_dict_in_generate=True)])
 def test_refuses_what_the_batched_loop_does_not_do(cases, options):
     target, draft, prompts, _ = cases("llama")
     ids, mask = left_padded(prompts[:2])
@@ -225,6 +224,56 @@ def test_refuses_right_padding(cases):
     ids, mask = left_padded(prompts[:2])
     with pytest.raises(ValueError, match="left padding"):
         target.generate(ids, attention_mask=mask.flip(1), assistant_model=draft, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# every proposer for every batch: the context lookup alone and the hybrid tree
+
+
+def repeating_prompts():
+    """Prompts whose rows repeat themselves (other periods, other lengths): the lookup finds continuations."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = []
+    for period, length in ((3, 8), (5, 17), (4, 11), (6, 23)):
+        unit = torch.randint(0, V, (period,), generator=generator)
+        prompts.append(unit.repeat(length // period + 1)[:length][None])
+    return prompts
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("assistant", ["lookup", "hybrid"])
+def test_batched_lookup_and_hybrid_greedy_equal_each_rows_plain_greedy(cases, family, assistant):
+    """`ContextLookup()` and the hybrid tree (the draft's tree with each row's lookup grafted in) over a batch whose
+    rows repeat themselves: each row's output is its plain greedy output, and lookup tokens were accepted."""
+    from eagle3_hf import ContextLookup
+
+    target, draft, _, _ = cases(family)
+    prompts = repeating_prompts()
+    ids, mask = left_padded(prompts)
+    helper = ContextLookup().bind(target) if assistant == "lookup" else draft
+    out = target.generate(ids, attention_mask=mask, assistant_model=helper, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True, **({} if assistant == "lookup" else dict(context_lookup=True)))  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        assert unpadded(out.sequences, mask, row) == plain(target, prompt, max_new_tokens=NEW)[0].tolist(), f"row {row}"
+    assert len(out.accept_sources) == len(prompts)  # per row, per cycle
+    assert out.accepted_from_lookup + out.accepted_from_both > 0
+    if assistant == "lookup":
+        assert out.accepted_from_draft == 0
+
+
+def test_batched_hybrid_rows_are_the_rows_alone(cases):
+    """A row of a hybrid batch accepts what it accepts alone, where the draft is consulted every cycle (the lookup
+    never confident: the skip decision is the batch's)."""
+    target, draft, _, _ = cases("llama")
+    prompts = repeating_prompts()
+    ids, mask = left_padded(prompts)
+    options = dict(do_sample=False, max_new_tokens=NEW, return_dict_in_generate=True, context_lookup=True,
+                   lookup_confidence=1.0, exact_verify=False, **TREES["wide"])  # fmt: skip
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, **options)
+    for row, prompt in enumerate(prompts):
+        alone = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft, **options)
+        assert alone.accept_lengths == out.accept_lengths[row], f"row {row}"
+        assert alone.accept_sources == out.accept_sources[row], f"row {row}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,6 +319,36 @@ def test_batched_sampling_follows_each_rows_target_law(models, tree):
         assert 0.05 * N < one_cycle < 0.95 * N
 
 
+@pytest.mark.parametrize("setting", ["T1", "T0.7-top_p0.9"])
+def test_batched_sampling_with_lookup_proposals_follows_each_rows_target_law(models, setting):
+    """The hybrid tree in a batch: each row's lookup continuations are point-mass proposals beside the draft's
+    samples. Rows whose every next token occurred before (one row shifted, one without repeats) against each
+    prompt's exact law (chi-square per row, alpha 0.001); the lookup's and the draft's proposals are both accepted."""
+    target, draft = models
+    options = dict(temperature=1.0, top_p=1.0) if setting == "T1" else dict(temperature=0.7, top_p=0.9)
+    prompts = [REPEATING, REPEATING[:, 3:], torch.tensor([[1, 5, 2, 7]])]
+    ids, mask = left_padded(prompts)
+    laws = [exact_law_of_tokens_2_and_3(target, **options, prompt=p) for p in prompts]
+    counts = torch.zeros(len(prompts), SV, SV, dtype=torch.float64)
+    torch.manual_seed(3000 + ["T1", "T0.7-top_p0.9"].index(setting))
+    lookup_accepted = draft_accepted = 0
+    for _ in range(N):
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=True, top_k=0,
+                              max_new_tokens=3, adaptive_tree=False, return_dict_in_generate=True, context_lookup=True,
+                              lookup_confidence=1.0, **options, **SAMPLED_TREES["tree"])  # fmt: skip
+        for row in range(len(prompts)):
+            _, x2, x3 = out.sequences[row, ids.shape[1] :].tolist()
+            counts[row, x2, x3] += 1
+        lookup_accepted += out.accept_sources[0][0][1] > 0
+        draft_accepted += out.accept_sources[0][0][0] > 0
+    for row, law in enumerate(laws):
+        impossible = law == 0
+        assert float(counts[row][impossible].sum()) == 0, f"row {row} sampled a continuation that top-p forbids"
+        stat, dof = chi_square(counts[row][~impossible], N * law[~impossible])
+        assert stat < chi_square_critical_0001(dof), f"row {row}: chi2 {stat:.1f} at {dof} dof"
+    assert lookup_accepted > 0.05 * N and draft_accepted > 0.05 * N
+
+
 # ------------------------------------------------------------------------------------------------
 # the real target
 
@@ -300,13 +379,12 @@ def test_smollm2_batch_greedy_matches_each_rows_plain_greedy(smollm2):
 
 def test_where_trees_do_not_pay_the_batch_runs_plain_batched_steps(cases, monkeypatch):
     """A cost model that finds every verified token dear declines every tree: plain batched steps, same output."""
-    from eagle3_hf.generation.batched_cost import BatchCostModel
-    from eagle3_hf.generation.cost_model import LinearCost
+    from eagle3_hf.generation.cost_model import CycleCostModel, LinearCost
 
     def dear(device_type, dtype):
-        return BatchCostModel(verify=LinearCost(prior_a=1.0, prior_b=100.0))
+        return CycleCostModel(verify=LinearCost(prior_a=1.0, prior_b=100.0))
 
-    monkeypatch.setattr(BatchCostModel, "for_batch", staticmethod(dear))
+    monkeypatch.setattr(CycleCostModel, "for_device", staticmethod(dear))
     target, draft, prompts, references = cases("qwen2")
     ids, mask = left_padded(prompts)
     out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,

@@ -1,4 +1,5 @@
-"""The decoding-time draft forward (`draft_forward` over a `DraftKV` buffer) against `Eagle3DraftModel.forward`."""
+"""The decoding-time draft forward (`draft_forward` over a `DraftKV` buffer) against `Eagle3DraftModel.forward`, for
+one row and for several."""
 
 import pytest
 import torch
@@ -27,6 +28,12 @@ TARGETS = {
 }
 
 
+def step(draft, kv, ids, hidden, positions, slot, mask):
+    """`draft_forward` for one row, with the head over every position: (logits `[S, Vd]`, fed-back state)."""
+    normed, feedback = draft_forward(draft, kv, ids, hidden, positions[None], slot, mask)
+    return draft.lm_head(normed)[0], feedback
+
+
 def _additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
@@ -48,7 +55,7 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         # the verified prefix: 7 positions, causal
         ref = draft(ids, target_hidden_states=features, use_cache=True)
         kv = DraftKV.for_draft(draft, capacity=4)  # too small on purpose: the buffer must grow
-        logits, hidden = draft_forward(
+        logits, hidden = step(
             draft, kv, ids, draft.fuse(features), torch.arange(7), 0, causal_block(0, 7, torch.float32, ids.device)
         )
         torch.testing.assert_close(logits, ref.logits[0], rtol=1e-4, atol=1e-5)
@@ -60,7 +67,7 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         allowed1 = torch.cat([torch.ones(3, 7, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], dim=1)
         ref1 = draft(level1, hidden_states=ref.last_hidden_state[:, -1:].expand(1, 3, -1),
                      position_ids=torch.full((1, 3), 7), attention_mask=allowed1[None, None], cache=ref.cache)  # fmt: skip
-        logits1, hidden1 = draft_forward(
+        logits1, hidden1 = step(
             draft, kv, level1, hidden[:, -1:].expand(1, 3, -1), torch.full((3,), 7), 7, _additive(allowed1)
         )
         torch.testing.assert_close(logits1, ref1.logits[0], rtol=1e-4, atol=1e-5)
@@ -69,7 +76,7 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         allowed2 = torch.cat([torch.ones(2, 7, dtype=torch.bool), tree2], dim=1)
         ref2 = draft(level2, hidden_states=ref1.last_hidden_state[:, [0, 2]], position_ids=torch.full((1, 2), 8),
                      attention_mask=allowed2[None, None], cache=ref1.cache)  # fmt: skip
-        logits2, hidden2 = draft_forward(
+        logits2, hidden2 = step(
             draft, kv, level2, hidden1[:, [0, 2]], torch.full((2,), 8), 10, _additive(allowed2)
         )
         torch.testing.assert_close(logits2, ref2.logits[0], rtol=1e-4, atol=1e-5)
@@ -117,3 +124,30 @@ def test_top_children_are_the_best_log_probabilities():
     expected = torch.log_softmax(logits.float(), dim=-1).topk(4, dim=-1)
     assert torch.equal(ids, expected.indices)
     torch.testing.assert_close(logp, expected.values)
+
+
+def test_rows_of_a_batch_compute_what_each_row_alone_does():
+    """Two rows with other prefixes and holes (a masked column): each row's output is its own forward's."""
+    torch.manual_seed(0)
+    target = TARGETS["llama"]().eval()
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=50).eval()
+    ids = torch.randint(3, 200, (2, 6))
+    with torch.no_grad():
+        hidden = draft.fuse(draft.target_features(target(ids, output_hidden_states=True).hidden_states))
+        allowed = torch.ones(6, 6, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+        allowed[1, :, 0] = False  # row 1's first column is a hole (left padding) ...
+        allowed[1, 0, 0] = True  # ... which sees only itself
+        positions = torch.stack([torch.arange(6), (torch.arange(6) - 1).clamp(min=0)])
+        kv = DraftKV.for_draft(draft, rows=2)
+        normed, feedback = draft_forward(draft, kv, ids, hidden, positions, 0, _additive(allowed))
+        for row, start in ((0, 0), (1, 1)):
+            alone = DraftKV.for_draft(draft)
+            own, own_feedback = draft_forward(draft, alone, ids[row : row + 1, start:], hidden[row : row + 1, start:],
+                                              torch.arange(6 - start)[None], 0,
+                                              causal_block(0, 6 - start, torch.float32, ids.device))  # fmt: skip
+            torch.testing.assert_close(normed[row, start:], own[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(feedback[row, start:], own_feedback[0], rtol=1e-4, atol=1e-5)
+    kv.select_rows(torch.tensor([1]))
+    assert kv.keys.shape[1] == 1
+    with pytest.raises(ValueError, match="rows >= 1"):
+        DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), rows=0)

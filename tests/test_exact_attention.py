@@ -65,7 +65,7 @@ def tree_rows(target, prompt, tokens, parents, exact):
         while j >= 0:
             mask[i, j] = True
             j = parents[j]
-    from eagle3_hf.generation.steps import _target_mask
+    from eagle3_hf.generation.tree import target_tree_mask
 
     past = prompt.shape[1]
     with exact_verification(target, enabled=exact) as state:
@@ -76,7 +76,7 @@ def tree_rows(target, prompt, tokens, parents, exact):
             state.set_tree(torch.tensor(parents), past)
         out = target(
             tokens[None], use_cache=True, **cache_kwargs(cache), position_ids=(past + torch.tensor(depths))[None],
-            attention_mask=_target_mask(target.config, mask, past, target.dtype), **extra,
+            attention_mask=target_tree_mask(target.config, mask, past, target.dtype), **extra,
         )  # fmt: skip
     return out.logits[0]
 

@@ -4,14 +4,10 @@ import torch
 from eagle3_hf.generation.tree import (
     DraftTree,
     children_lists,
-    expand_topk,
     rerank,
-    retrieve_paths,
     sample_children,
-    select_frontier,
     tree_attention_mask,
     tree_depths,
-    tree_position_ids,
     verification_mask,
 )
 
@@ -49,15 +45,12 @@ def _visible_to_additive(visible: list[list[int]]) -> torch.Tensor:
 def test_ancestor_mask_depths_positions_paths():
     torch.testing.assert_close(tree_attention_mask(PARENTS), ANCESTORS)
     torch.testing.assert_close(tree_depths(PARENTS), torch.tensor([0, 1, 1, 2, 2, 2, 3]))
-    torch.testing.assert_close(tree_position_ids(PARENTS, 3), torch.tensor([3, 4, 4, 5, 5, 5, 6]))
-    torch.testing.assert_close(retrieve_paths(PARENTS), torch.tensor([[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]))
     assert children_lists(PARENTS) == [[1, 2], [3, 4], [5], [6], [], [], []]
 
 
 def test_single_node_tree():
     root = torch.tensor([-1])
     torch.testing.assert_close(tree_attention_mask(root), torch.tensor([[True]]))
-    torch.testing.assert_close(retrieve_paths(root), torch.tensor([[0]]))
     assert children_lists(root) == [[]]
     torch.testing.assert_close(verification_mask(tree_attention_mask(root), 2, torch.float32), torch.zeros(1, 1, 1, 3))
 
@@ -139,34 +132,10 @@ def test_chain_matches_transformers_masks(sliding_window, dtype):
 
 
 def test_chain_is_linear_decoding():
-    # A top_k=1 expansion yields a chain; it must look exactly like ordinary causal decoding.
-    frontier = torch.zeros(1)
-    parents = [-1]
-    for level in range(4):
-        ids, scores = expand_topk(frontier, torch.randn(1, 6).log_softmax(-1), top_k=1)
-        flat, rows = select_frontier(scores, top_k=1)
-        assert rows.tolist() == [0]
-        frontier = scores.flatten()[flat]
-        parents.append(level)
-    parents = torch.tensor(parents)
+    # A chain must look exactly like ordinary causal decoding.
+    parents = torch.tensor([-1, 0, 1, 2, 3])
     torch.testing.assert_close(tree_attention_mask(parents), torch.ones(5, 5, dtype=torch.bool).tril())
-    torch.testing.assert_close(tree_position_ids(parents, 7), torch.arange(7, 12))
-    torch.testing.assert_close(retrieve_paths(parents), torch.arange(5)[None])
-
-
-def test_expand_topk_and_select_frontier():
-    frontier_scores = torch.tensor([-0.5, -0.9])
-    logprobs = torch.tensor([[-1.0, -3.0, -2.0], [-0.5, -4.0, -0.25]])
-    ids, scores = expand_topk(frontier_scores, logprobs, top_k=2)
-    torch.testing.assert_close(ids, torch.tensor([[0, 2], [2, 0]]))
-    torch.testing.assert_close(scores, torch.tensor([[-1.5, -2.5], [-1.15, -1.4]]))
-
-    flat, rows = select_frontier(scores, top_k=2)
-    torch.testing.assert_close(flat, torch.tensor([2, 3]))
-    torch.testing.assert_close(rows, torch.tensor([1, 1]))
-    flat, rows = select_frontier(scores, top_k=3)
-    torch.testing.assert_close(flat, torch.tensor([2, 3, 0]))
-    torch.testing.assert_close(rows, torch.tensor([1, 1, 0]))
+    torch.testing.assert_close(tree_depths(parents), torch.arange(5))
 
 
 def test_rerank_hand_made():
@@ -212,16 +181,16 @@ def test_rerank_invariant_on_random_eagle_trees():
     top_k, depth, vocab = 4, 5, 16
     for _ in range(10):
         logprobs = torch.randn(1, vocab, generator=generator).mul(3).log_softmax(-1)
-        ids, scores = expand_topk(torch.zeros(1), logprobs, top_k)
+        scores = logprobs.topk(top_k, dim=-1).values  # the root's best children
         cand_scores, cand_parents = [scores.flatten()], [torch.full((top_k,), -1)]
         frontier_scores, frontier_index = scores.flatten(), torch.arange(top_k)
         offset = top_k
         for _ in range(depth):
             logprobs = torch.randn(top_k, vocab, generator=generator).mul(3).log_softmax(-1)
-            _, child_scores = expand_topk(frontier_scores, logprobs, top_k)
+            child_scores = frontier_scores[:, None] + logprobs.topk(top_k, dim=-1).values
             cand_scores.append(child_scores.flatten())
             cand_parents.append(frontier_index.repeat_interleave(top_k))
-            flat, _ = select_frontier(child_scores, top_k)
+            flat = child_scores.flatten().topk(top_k).indices  # the best children overall: the next frontier
             frontier_scores, frontier_index = child_scores.flatten()[flat], flat + offset
             offset += top_k * top_k
         cand_scores, cand_parents = torch.cat(cand_scores), torch.cat(cand_parents)
@@ -293,10 +262,6 @@ def test_bad_parents_raise(parents):
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="top_k"):
-        expand_topk(torch.zeros(2), torch.zeros(2, 5), top_k=0)
-    with pytest.raises(ValueError, match="top_k"):
-        select_frontier(torch.zeros(2, 2), top_k=5)
     with pytest.raises(ValueError, match="total_tokens"):
         rerank(torch.zeros(3), torch.tensor([-1, 0, 1]), total_tokens=0)
     with pytest.raises(ValueError, match="candidate_parents"):

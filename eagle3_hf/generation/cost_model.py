@@ -77,7 +77,14 @@ _GPU_PRIOR = (1.0 / 200, 0.10)
 
 @dataclass
 class CycleCostModel:
-    """Per-call scheduler state. Costs are in seconds; only their ratios matter.
+    """Per-call scheduler state, for one prompt or a batch of `rows`. Costs are in seconds; only their ratios matter.
+
+    A verify forward over A rows of T nodes costs what one forward over `A * T` tokens costs, so the measured verify
+    cost is a line `a + b * tokens` over every row's nodes, and what a cycle buys is summed over the rows: verifying
+    the `n` best nodes of every row (the rows share one node count: the forward costs the widest row anyway)
+    maximises `(A + calibration * sum_rows sum_{i<n} p_{row,i}) / (draft_cost + verify_cost(A * (n + 1)))` against
+    a plain step's `A / verify_cost(A)`. With A = 1 that is the formula of the module docstring; as the batch grows a
+    tree token costs more next to a plain step's, so trees shrink, down to plain batched steps.
 
     The default priors (before measurements arrive) are a middle ground: verifying 16 tokens costs ~1.5x one token,
     one draft step ~15% of a target step; `for_device` gives the ones measured for a device and precision.
@@ -93,6 +100,7 @@ class CycleCostModel:
     max_backoff: int = 32
     # net tokens over plain decoding of the recent consultations (see `after_consultation`)
     consultations: deque = field(default_factory=lambda: deque(maxlen=16))
+    rows: int = 1  # rows decoding this cycle (a batch's loop sets it before each decision)
 
     @classmethod
     def for_device(cls, device_type: str, dtype: torch.dtype) -> CycleCostModel:
@@ -111,38 +119,45 @@ class CycleCostModel:
         self.accepted += accepted
 
     def plain_rate(self) -> float:
-        return 1.0 / self.verify(1)
+        """Tokens per second of a plain step over every row."""
+        return self.rows / self.verify(self.rows)
 
     def worth_drafting(self, top_probabilities: torch.Tensor | float) -> bool:
-        """Whether verifying some of the draft's best next tokens (`top_probabilities`, most likely first) beats a
-        plain step. Those depth-1 candidates come from the draft output already computed, so they cost only the wider
-        verify; deeper levels must pay for their draft steps themselves (`worth_deeper`)."""
-        probs = torch.as_tensor(top_probabilities, dtype=torch.float64).flatten().cpu()
-        gains = self.calibration * torch.cumsum(probs, 0)  # verifying the best m candidates, m = 1..k
+        """Whether verifying the `m` best depth-1 candidates of every row (`top_probabilities` `[k]` or `[A, k]`, most
+        likely first) beats a plain step, for some m. Those candidates come from the draft output already computed,
+        so they cost only the wider verify; deeper levels must pay for their draft steps themselves (`worth_deeper`)."""
+        probs = torch.as_tensor(top_probabilities, dtype=torch.float64).cpu().reshape(self.rows, -1)
+        gains = self.calibration * torch.cumsum(probs, dim=1).sum(dim=0)  # [k]: verifying m = 1..k per row
         a, b = self.verify.coefficients()
-        nodes = torch.arange(2, probs.numel() + 2, dtype=torch.float64)  # root + m
-        return bool(((1.0 + gains) / (a + b * nodes)).max() > self.plain_rate())
+        tokens = self.rows * torch.arange(2, probs.shape[1] + 2, dtype=torch.float64)  # rows x (root + m)
+        return bool(((self.rows + gains) / (a + b * tokens)).max() > self.plain_rate())
 
     def worth_deeper(self, best_path_probability: float, nodes_so_far: int) -> bool:
-        """Whether one more draft level can pay: its best node must be worth more than a draft step."""
-        gain = self.calibration * best_path_probability * self.verify(1)
-        return gain > self.draft_step(1) + (self.verify(nodes_so_far + 2) - self.verify(nodes_so_far + 1))
+        """Whether one more draft level can pay: its best node (`best_path_probability`, summed over the rows' best
+        frontier nodes) must be worth more than a draft step over the rows and `rows` more verified tokens
+        (`nodes_so_far` counts one row's candidates)."""
+        per_token = self.verify(self.rows) / self.rows  # what a token is worth, in a plain step's time
+        gain = self.calibration * best_path_probability * per_token
+        width = self.rows * (nodes_so_far + 1)
+        return gain > self.draft_step(self.rows) + (self.verify(width + self.rows) - self.verify(width))
 
     def choose_size(self, path_probabilities: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
-        """Best number of non-root nodes to verify, given node path probabilities sorted in keep order (a prefix is
-        always a valid tree) and the draft time this cycle already spent. Returns (n, predicted accepted tokens);
-        n = 0 verifies the root alone (the draft's work is then wasted, but a wider verify would lose more)."""
-        probs = path_probabilities.double().cpu()
-        gains = torch.cat([torch.zeros(1, dtype=torch.float64), self.calibration * torch.cumsum(probs, 0)])
-        n = torch.arange(0, probs.numel() + 1, dtype=torch.float64)
+        """Best number of non-root nodes to verify per row, given node path probabilities `[N]` (or `[A, N]`, a row
+        each) sorted in keep order (a prefix is always a valid tree) and the draft time this cycle already spent.
+        Returns (n, predicted accepted tokens over the rows); n = 0 verifies the roots alone (the draft's work is
+        then wasted, but a wider verify would lose more)."""
+        probs = path_probabilities.double().cpu().reshape(self.rows, -1)
+        cumulative = torch.cumsum(probs, dim=1).sum(dim=0)  # [N]
+        gains = torch.cat([torch.zeros(1, dtype=torch.float64), self.calibration * cumulative])
+        n = torch.arange(0, probs.shape[1] + 1, dtype=torch.float64)
         a, b = self.verify.coefficients()
-        rates = (1.0 + gains) / (draft_seconds + a + b * (n + 1))
+        rates = (self.rows + gains) / (draft_seconds + a + b * self.rows * (n + 1))
         best = int(torch.argmax(rates))
-        return best, float(probs[:best].sum())
+        return best, float(cumulative[best - 1]) if best > 0 else 0.0
 
     def after_consultation(self, net_tokens: float) -> None:
         """Score a consultation -- tokens it produced minus what plain decoding would have produced in the same time
-        (`(accepted + 1) - seconds * plain_rate()` for a drafted cycle, `-draft_seconds * plain_rate()` for a
+        (`(accepted + rows) - seconds * plain_rate()` for a drafted cycle, `-draft_seconds * plain_rate()` for a
         declined one) -- and back off exponentially while the recent consultations together lose."""
         self.consultations.append(net_tokens)
         if sum(self.consultations) >= 0.0:

@@ -11,14 +11,14 @@ uses for `custom_generate` folders shipped with a model -- to a thin wrapper: wi
 `custom_generate=eagle3_decoding`; otherwise it calls it unchanged. Nothing in transformers is
 patched, and it only relies on the public `custom_generate` contract.
 
-A batch of several (left-padded) prompts goes to batched.py, the same cycle over every row at once. The loop
-for one prompt: prefill the target, collecting the three tapped hidden states; then per
-cycle draft a tree (drafting.py), verify all its nodes in one target forward with a 4D tree mask
-and depth positions, accept the longest valid path (verification.py), keep only the accepted KV
-entries, and feed the accepted tokens' tapped features -- taken from that same forward -- to the draft.
+One loop decodes every batch size (engine.py): a single prompt is a batch of one, and a left-padded batch has every
+row draft its own tree and one target forward verify them all. Per cycle the proposer (proposers.py: the draft's
+tree, the context lookup's, or both in one) builds a tree per row, one target forward verifies all nodes with 4D tree
+masks and depth positions, each row accepts the longest valid path (verification.py), the cache keeps only the
+accepted entries, and the accepted tokens' tapped features -- taken from that same forward -- go to the draft.
 
 A context lookup (hybrid.py) adds the continuations of the current suffix's earlier occurrences to the same tree:
-`context_lookup=True` with a draft (the hybrid tree; the default for one prompt), or `assistant_model=ContextLookup()`
+`context_lookup=True` with a draft (the hybrid tree; the default), or `assistant_model=ContextLookup()`
 without one (model-free, for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its
 generate() the same way).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -37,24 +36,16 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from eagle3_hf.generation.batched import batched_decoding, refuse_unsupported, sequences as batched_sequences
 from eagle3_hf.generation.cost_model import CycleCostModel
-from eagle3_hf.generation.drafting import TreeBudget, crop_cache, editable_cache
+from eagle3_hf.generation.drafting import TreeBudget
+from eagle3_hf.generation.emission import sequences
+from eagle3_hf.generation.engine import DecodeRun, decode
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.hybrid import LookupOptions, LookupState
+from eagle3_hf.generation.hybrid import LookupOptions
+from eagle3_hf.generation.proposers import DraftProposer, HybridProposer, LookupProposer
+from eagle3_hf.generation.target_cache import editable_cache
 from eagle3_hf.generation.timing import NO_TIMER, NullTimer
-from eagle3_hf.generation.verify_choice import VerifyChoice, check_exact_verify, choose_verification
-from eagle3_hf.generation.steps import (
-    DecodeRun,
-    accept,
-    draft_tree,
-    emit,
-    left_padding,
-    prefill,
-    record_cycle,
-    update_caches_and_features,
-    verify,
-)
+from eagle3_hf.generation.verify_choice import check_exact_verify, choose_verification
 from eagle3_hf.modeling._compat import generate_output_cache_field
 from eagle3_hf.modeling.embedding import embeddings_match, stored_embedding, whole_tensor
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
@@ -228,7 +219,7 @@ def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = 
 
 
 # ------------------------------------------------------------------------------------------------
-# the decoding loop
+# the decoding call
 
 
 def eagle3_decoding(
@@ -251,21 +242,21 @@ def eagle3_decoding(
     lookup_confidence: float | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
-    """`custom_generate` callable running EAGLE-3 tree decoding (see the module docstring).
+    """`custom_generate` callable running EAGLE-3 tree decoding (see the module docstring), for one prompt or a
+    left-padded batch.
 
     Per-call options (defaults from the draft config): `tree_depth`, `tree_top_k`, `tree_total_tokens`;
     `adaptive_tree=False` always drafts the full tree instead of sizing it with the cost model.
     `exact_verify="auto"` (default) verifies each tree node with the attention call shape of the target's own
     decoding step (exact_attention.py) where the row-invariance probe proves that reproduces one-token steps bit for
     bit on this hardware, and the whole tree in one tree-masked call elsewhere (verify_choice.py); True / False force
-    one or the other. The output's `verification` says which ran.
+    one or the other (a batch verifies in one call). The output's `verification` says which ran.
 
-    Context lookup (hybrid.py): `context_lookup` (default: on for one prompt, the fastest method measured; off for a
-    batch, which does not support it yet) grafts the continuations of the current suffix's earlier
-    occurrences into the draft's tree each cycle (always on with a `ContextLookup` assistant, which has no draft);
-    `lookup_depth` tokens per continuation (default: the tree depth), `lookup_branches` continuations (default 4),
-    and the draft's forward is skipped in a cycle where the lookup's best next token has an estimated acceptance of
-    at least `lookup_confidence` (default 0.8; 1.0 or more: never).
+    Context lookup (hybrid.py): `context_lookup` (default: on) grafts the continuations of each row's current
+    suffix's earlier occurrences into the draft's tree each cycle (always on with a `ContextLookup` assistant, which
+    has no draft); `lookup_depth` tokens per continuation (default: the tree depth), `lookup_branches` continuations
+    (default 4), and the draft's forward is skipped in a cycle where every row's best next lookup token has an
+    estimated acceptance of at least `lookup_confidence` (default 0.8; 1.0 or more: never).
     """
     if isinstance(eagle3_draft, ContextLookup):
         draft, context_lookup = None, True
@@ -301,111 +292,121 @@ def eagle3_decoding(
             f"tree_depth and tree_top_k must be >= 1 and tree_total_tokens >= 2; got depth={budget.depth}, "
             f"top_k={budget.top_k}, total_tokens={budget.total_tokens}."
         )
-    do_sample = bool(generation_config.do_sample)
-    return_dict = bool(generation_config.return_dict_in_generate)
     exact_verify = check_exact_verify(exact_verify)
-    if input_ids.shape[0] > 1:
-        cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-        return _decode_batch(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
-                             cache, model_kwargs.get("attention_mask"), eagle3_streamer, bool(context_lookup),
-                             exact_verify, adaptive_tree)  # fmt: skip
-    start = left_padding(input_ids, model_kwargs.get("attention_mask"))
+    rows = input_ids.shape[0]
+    return_dict = bool(generation_config.return_dict_in_generate)
+    if rows > 1:
+        refuse_for_batches(rows, exact_verify, generation_config)
+    mask = left_padded_mask(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-    lookup = None
+    options = None
     if context_lookup is None or context_lookup:
-        lookup = LookupState(options=LookupOptions(
+        options = LookupOptions(
             depth=budget.depth if lookup_depth is None else lookup_depth,
             branches=LookupOptions.branches if lookup_branches is None else lookup_branches,
             max_ngram=defaults["max_ngram"],
             confidence=LookupOptions.confidence if lookup_confidence is None else lookup_confidence,
-        ))  # fmt: skip
-    layers = model.config.get_text_config().num_hidden_layers
-    run = DecodeRun(
-        model=model, draft=draft, input_ids=input_ids, logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria, budget=budget, lookup=lookup,
-        cache=cache, layer_ids=draft.config.resolved_target_layer_ids(layers) if draft is not None else [],
-        start=start, do_sample=do_sample,
-        temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0, adaptive_tree=adaptive_tree,
-        streamer=eagle3_streamer, timer=eagle3_timer, output_scores=return_dict and bool(generation_config.output_scores),
-        output_logits=return_dict and bool(generation_config.output_logits),
-        cost=CycleCostModel.for_device(model.device.type, model.dtype),
-    )  # fmt: skip
-
-    choice = choose_verification(model, exact_verify)
+        )
+    if draft is None:
+        proposer = LookupProposer(options)
+    else:
+        proposer = DraftProposer(draft) if options is None else HybridProposer(draft, options)
+    run = _new_run(model, draft, proposer, input_ids, mask, logits_processor, stopping_criteria, generation_config,
+                   budget, cache, adaptive_tree, eagle3_streamer, eagle3_timer)  # fmt: skip
+    choice = choose_verification(model, exact_verify, rows=rows)
     with exact_verification(model, enabled=choice.exact) as run.exact:
         if run.exact is not None:
             run.exact.timer = run.timer
-        _decode(run)
-    return _finish(run, return_dict, choice)
-
-
-def _decode(run: DecodeRun) -> None:
-    """Prefill, then draft -> verify -> accept -> update -> record -> emit until a stopping criterion fires."""
-    prefill(run)
-    while not run.finished:
-        past = run.cache.get_seq_length()
-        run.timer.start_cycle(past=past)
-        plan = draft_tree(run, root=int(run.input_ids[0, -1]))
-        t0 = time.perf_counter()
-        scores, features = verify(run, plan.tree, past)
-        result = accept(run, plan, scores)
-        new_tokens, _ = update_caches_and_features(run, plan.tree, past, result, features)
-        verify_s = time.perf_counter() - t0
-        if run.timer.enabled:
-            run.timer.note(nodes=plan.tree.num_nodes, accepted=len(result.path) - 1, draft_s=plan.seconds,
-                           verify_s=verify_s, parents=plan.tree.parents.tolist())
-        # A stopping criterion may cut the cycle short: count only the tokens that reached the output, and keep the
-        # cache in step with them (like plain decoding's, it holds every token but the last).
-        mark = run.timer.now()
-        nodes = result.path
-        rows = scores.processed_rows(nodes) if run.output_scores else None
-        emitted = emit(run, new_tokens, rows, scores.raw_rows(nodes) if run.output_logits else None)
-        run.timer.add("emit (outside verify)", mark)
-        record_cycle(run, plan, result.path, emitted, verify_s)
-        run.accept_lengths.append(emitted)
-        if emitted < len(new_tokens):
-            crop_cache(run.cache, past + emitted)
-
-
-def _decode_batch(
-    model: PreTrainedModel, draft: Eagle3DraftModel | None, input_ids: torch.Tensor, logits_processor: Any,
-    stopping_criteria: Any, generation_config: GenerationConfig, budget: TreeBudget, cache: Any,
-    attention_mask: torch.Tensor | None, streamer: Any, context_lookup: bool, exact_verify: bool | str,
-    adaptive_tree: bool,
-) -> torch.LongTensor | Eagle3GenerateOutput:
-    """A batch of B > 1 prompts (batched.py), after refusing what that loop does not do yet."""
-    refuse_unsupported(input_ids.shape[0], draft, context_lookup, exact_verify, generation_config)
-    run = batched_decoding(model, draft, input_ids, logits_processor, stopping_criteria, generation_config, budget,
-                           cache, attention_mask, streamer, adaptive_tree)  # fmt: skip
-    if not generation_config.return_dict_in_generate:
-        return batched_sequences(run)
-    choice = choose_verification(model, exact_verify, rows=input_ids.shape[0])
-    return Eagle3GenerateOutput(
-        sequences=batched_sequences(run), accept_lengths=run.accept_lengths, tree_sizes=run.tree_sizes,
-        draft_time=run.draft_time, verify_time=run.verify_time, prefill_time=run.prefill_time,
-        verification=choice.mode, verification_reason=choice.reason,
-    )  # no cache: the loop drops finished rows from it, so it no longer matches the output's rows
-
-
-def _finish(run: DecodeRun, return_dict: bool, choice: VerifyChoice) -> torch.LongTensor | Eagle3GenerateOutput:
-    if run.streamer is not None:
-        run.streamer.end()
+        decode(run, input_ids, mask)
+    output = sequences(run)
+    if rows == 1:  # the cache holds every output token but the last, as plain decoding's
+        run.columns.crop(run.cache, output.shape[1] - min(run.starts) - 1)
     if not return_dict:
-        return run.input_ids
+        return output
+    per_row = (lambda values: values[0]) if rows == 1 else (lambda values: values)
+    sources = [counts for row in run.accept_sources for counts in row]
     return Eagle3GenerateOutput(
-        sequences=run.input_ids,
+        sequences=output,
         scores=run.scores if run.output_scores else None,
         logits=run.raw_logits if run.output_logits else None,
-        accept_lengths=run.accept_lengths,
+        accept_lengths=per_row(run.accept_lengths),
         draft_time=run.draft_time,
         verify_time=run.verify_time,
         prefill_time=run.prefill_time,
-        tree_sizes=run.tree_sizes,
-        accept_sources=run.accept_sources,
-        accepted_from_draft=sum(c[0] for c in run.accept_sources),
-        accepted_from_lookup=sum(c[1] for c in run.accept_sources),
-        accepted_from_both=sum(c[2] for c in run.accept_sources),
+        tree_sizes=per_row(run.tree_sizes),
+        accept_sources=per_row(run.accept_sources),
+        accepted_from_draft=sum(c[0] for c in sources),
+        accepted_from_lookup=sum(c[1] for c in sources),
+        accepted_from_both=sum(c[2] for c in sources),
         verification=choice.mode,
         verification_reason=choice.reason,
-        **{generate_output_cache_field(): run.cache},
+        # a batch's finished rows leave the cache, which then no longer matches the output's rows
+        **({generate_output_cache_field(): run.cache} if rows == 1 else {}),
     )
+
+
+def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: Any, input_ids: torch.Tensor,
+             mask: torch.Tensor, logits_processor: Any, stopping_criteria: Any, generation_config: GenerationConfig,
+             budget: TreeBudget, cache: Any, adaptive_tree: bool, streamer: Any, timer: NullTimer) -> DecodeRun:  # fmt: skip
+    """The call's `DecodeRun`: output buffer, padding and stopping rules as plain generate() has them."""
+    rows, length = input_ids.shape
+    has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    pad = generation_config._pad_token_tensor
+    if rows > 1 and has_eos and pad is None:
+        raise ValueError("With eos_token_id set, batched generation needs a pad_token_id to pad finished rows.")
+    max_length = stopping_criteria.max_length or generation_config.max_length
+    out = torch.zeros(rows, max(max_length, length + 1), dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :length] = input_ids
+    do_sample = bool(generation_config.do_sample)
+    return_dict = bool(generation_config.return_dict_in_generate)
+    layers = model.config.get_text_config().num_hidden_layers
+    return DecodeRun(
+        model=model, proposer=proposer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        budget=budget, cache=cache, layer_ids=draft.config.resolved_target_layer_ids(layers) if draft else [],
+        out=out, lengths=[length] * rows, starts=[int((m == 0).sum()) for m in mask],
+        pad_token_id=None if pad is None else int(pad), pad_finished=rows > 1 and has_eos, max_length=max_length,
+        do_sample=do_sample, temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
+        adaptive_tree=adaptive_tree, streamer=streamer, timer=timer,
+        output_scores=return_dict and bool(generation_config.output_scores),
+        output_logits=return_dict and bool(generation_config.output_logits),
+        cost=CycleCostModel.for_device(model.device.type, model.dtype), stop_lengths=[None] * rows,
+        active=list(range(rows)), streamed=length, accept_lengths=[[] for _ in range(rows)],
+        tree_sizes=[[] for _ in range(rows)], accept_sources=[[] for _ in range(rows)],
+    )  # fmt: skip
+
+
+def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The attention mask `[B, L]`, checked to be left padding only (zeros, then ones): left padding carries no
+    information, so the target and the proposers never see it, while logits processors and stopping criteria see
+    the whole sequence, as in plain generate()."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(input_ids.device)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
+    valid = attention_mask.bool()
+    if not bool(valid[:, -1].all()) or bool((valid[:, 1:].long() - valid[:, :-1].long() < 0).any()):
+        row = next(r for r in range(valid.shape[0]) if not bool(valid[r, -1]) or
+                   bool((valid[r, 1:].long() - valid[r, :-1].long() < 0).any()))  # fmt: skip
+        raise ValueError(
+            f"EAGLE-3 decoding accepts left padding only (each row's mask: zeros, then ones, ending in a one); row "
+            f"{row}'s attention_mask is {attention_mask[row].tolist()}. Tokenise with padding_side='left'. Without an "
+            "explicit attention_mask, generate() masks every prompt token equal to pad_token_id: pass "
+            "attention_mask=torch.ones_like(input_ids)."
+        )
+    return attention_mask
+
+
+def refuse_for_batches(rows: int, exact_verify: bool | str, generation_config: GenerationConfig) -> None:
+    """A clear ValueError for what a batch of several prompts does not do."""
+    if exact_verify is True:
+        raise ValueError(
+            f"Row-exact verification (exact_verify=True) supports batch size 1; got a batch of {rows}. Batches verify "
+            "in one tree-masked call (exact_verify='auto' or False): greedy bf16 output then equals plain "
+            "decoding up to near-ties."
+        )
+    if generation_config.output_scores or generation_config.output_logits:
+        raise ValueError(
+            f"output_scores / output_logits with EAGLE-3 need batch size 1; got a batch of {rows} (plain generate() "
+            "scores finished rows' padding steps, which batched tree decoding never runs)."
+        )

@@ -1,12 +1,13 @@
-"""The draft's forward at decoding time: its layer(s) over a preallocated KV buffer, in few tensor ops.
+"""The draft's forward at decoding time: its layer(s) over a preallocated KV buffer, in few tensor ops, for A rows.
 
 `Eagle3DraftModel.forward` is the general entry point (training, any cache, 2D or 4D masks). Drafting a tree calls
-the draft once per level on a handful of rows, where per-call overheads cost as much as the matmuls: a
+the draft once per level on a handful of nodes per row, where per-call overheads cost as much as the matmuls: a
 `DynamicCache` concatenates its whole history on every update and is cropped again after each tree, the attention
 module goes through transformers' dispatch, and the mask is rebuilt in full. `draft_forward` computes the same
 function (each layer's own norms, projections and MLP, `qkv` for the rotation) with keys and values written into a
 `DraftKV` buffer at chosen slots: slots past `length` hold a tree's nodes and are simply overwritten by the next tree.
-A deeper draft writes every layer's keys/values at the same slots, so one `length` serves them all.
+A deeper draft writes every layer's keys/values at the same slots, so one `length` serves them all. Rows of a batch
+share the slots column by column (drafting.py's `DraftState.valid` says which columns are a row's own).
 """
 
 from __future__ import annotations
@@ -14,35 +15,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
-__all__ = ["DraftKV", "draft_forward"]
+__all__ = ["DraftKV", "causal_block", "draft_forward"]
 
 
 class DraftKV:
-    """Keys and values of the draft's layers, `[num_layers, 1, kv_heads, capacity, head_dim]`, grown by doubling.
+    """Keys and values of the draft's layers, `[num_layers, rows, kv_heads, capacity, head_dim]`, grown by doubling.
 
-    Slots `[0, length)` hold verified positions; anything after them is scratch space for the tree being drafted.
+    Slots `[0, length)` hold verified columns; anything after them is scratch space for the trees being drafted.
     Every layer uses the same slots for the same positions, so `length` and `capacity` are shared.
     """
 
     def __init__(
         self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 512,
-        num_layers: int = 1,
+        num_layers: int = 1, rows: int = 1,
     ) -> None:  # fmt: skip
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"DraftKV needs num_layers >= 1 (one buffer per draft layer), got {num_layers!r}.")
-        self.keys = torch.zeros(num_layers, 1, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"DraftKV needs rows >= 1 (one per prompt of the batch), got {rows!r}.")
+        self.keys = torch.zeros(num_layers, rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
     @classmethod
-    def for_draft(cls, draft: Eagle3DraftModel, capacity: int = 512) -> DraftKV:
+    def for_draft(cls, draft: Eagle3DraftModel, capacity: int = 512, rows: int = 1) -> DraftKV:
         attn = draft.midlayer.self_attn
         weight = draft.lm_head.weight
         kv_heads = draft.config.num_key_value_heads or draft.config.num_attention_heads
-        return cls(kv_heads, attn.head_dim, weight.dtype, weight.device, capacity, len(draft.draft_layers()))
+        return cls(kv_heads, attn.head_dim, weight.dtype, weight.device, capacity, len(draft.draft_layers()), rows)
 
     @property
     def capacity(self) -> int:
@@ -55,8 +57,8 @@ class DraftKV:
     def write(
         self, slot: int, keys: torch.Tensor, values: torch.Tensor, layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store layer `layer`'s `[1, kv_heads, S, d]` keys/values at slots `[slot, slot + S)`; return that layer's
-        every key/value up to there (`[1, kv_heads, slot + S, d]`). Growing the buffer grows every layer's."""
+        """Store layer `layer`'s `[rows, kv_heads, S, d]` keys/values at slots `[slot, slot + S)`; return that layer's
+        every key/value up to there (`[rows, kv_heads, slot + S, d]`). Growing the buffer grows every layer's."""
         end = slot + keys.shape[2]
         capacity = self.capacity
         if end > capacity:
@@ -70,6 +72,20 @@ class DraftKV:
         self.values[layer, :, :, slot:end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the rows `rows` (indices into the current rows), e.g. when others finished."""
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+
+    def gather_columns(self, index: torch.Tensor) -> None:
+        """Keep, per row, the columns `index` `[rows, n]` (in that order) as columns `0..n-1`."""
+        n = index.shape[1]
+        layers, rows, heads, _, dim = self.keys.shape
+        gather = index[None, :, None, :, None].expand(layers, rows, heads, n, dim)
+        for name in ("keys", "values"):
+            buffer = getattr(self, name)
+            buffer[:, :, :, :n] = buffer.gather(3, gather)  # gather copies first: source and target may overlap
+        self.length = n
+
 
 def causal_block(prefix: int, seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive mask `[seq, prefix + seq]`: every query sees the prefix and the new positions up to its own."""
@@ -81,23 +97,23 @@ def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """GQA attention of q `[1, h, S, d]` over keys/values `[1, kv, L, d]` without repeating them: the `g = h / kv`
-    query heads that share a kv head are stacked along the query axis (`[1, kv, g*S, d]`). Returns `[1, h, S, d]`."""
-    _, heads, seq, dim = q.shape
+    """GQA attention of q `[A, h, S, d]` over keys/values `[A, kv, L, d]` without repeating them: the `g = h / kv`
+    query heads that share a kv head are stacked along the query axis (`[A, kv, g*S, d]`); additive mask
+    `[A, S, L]`, `[S, L]` (every row the same) or None. Returns `[A, h, S, d]`."""
+    rows, heads, seq, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
-    q = q.reshape(1, kv_heads, groups * seq, dim)
-    if mask is not None and groups > 1:
-        mask = mask.repeat(groups, 1)  # [g*S, L]
+    q = q.reshape(rows, kv_heads, groups * seq, dim)
+    if mask is not None:
+        mask = (mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, groups, 1)[:, None])  # [(A,1,) g*S, L]
     if softcap is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     else:  # Gemma-style logit soft-capping, which the fused kernel has no option for
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh(torch.matmul(q, keys.transpose(-1, -2)) * scaling / softcap) * softcap
         if mask is not None:
             scores = scores + mask
         out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype), values)
-    return out.reshape(1, heads, seq, dim)
+    return out.reshape(rows, heads, seq, dim)
 
 
 def draft_forward(
@@ -108,41 +124,32 @@ def draft_forward(
     positions: torch.Tensor,
     slot: int,
     mask: torch.Tensor | None,
-    logits_to_keep: int = 0,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    timer: NullTimer = NO_TIMER,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft step over `S` rows at batch size 1, as `Eagle3DraftModel.forward` computes it.
+    """One draft step over `S` new columns of A rows, as `Eagle3DraftModel.forward` computes it.
 
     Args:
-        input_ids: `[1, S]` the tokens that follow each hidden state.
-        hidden: `[1, S, H]` fused target features (`draft.fuse(...)`) or the draft's fed-back state.
-        positions: `[S]` RoPE positions (the nodes of one tree level share one).
+        input_ids: `[A, S]` the target ids that follow each hidden state.
+        hidden: `[A, S, H]` fused target features (`draft.fuse(...)`) or the draft's fed-back state.
+        positions: `[A, S]` RoPE positions (the nodes of one tree level share one per row).
         slot: where in `kv` the S new keys/values go; each row attends to slots `[0, slot + S)` under `mask`.
-        mask: additive `[S, slot + S]` in `hidden`'s dtype, or None to attend to every slot.
-        logits_to_keep: if > 0, logits for the last that many rows only.
-        rotary: RoPE (cos, sin) `[1, S or 1, d]` for `positions`, when the caller has them already (a tree's
-            levels take theirs from one table); computed from `positions` otherwise.
-        timer: the decoding call's named sections (timing.py): the layer(s), then the head.
+        mask: additive `[A, S, slot + S]` (or `[S, slot + S]`, the same for every row) in `hidden`'s dtype, or None
+            to attend to every slot.
+        rotary: RoPE (cos, sin) for `positions`, when the caller has them already (a tree's levels take theirs from
+            one table); computed from `positions` otherwise.
 
     Returns:
-        (logits `[S', draft_vocab]`, the state to feed back `[1, S, H]`).
+        (the normed output `[A, S, H]`, for the head; the state to feed back `[A, S, H]`).
     """
-    mark = timer.now()
     embeds = draft.embed_tokens(input_ids).to(hidden.dtype)
-    rotary = rotary or draft.rotary_emb(hidden, positions[None])
+    rotary = rotary or draft.rotary_emb(hidden, positions)
     out = hidden
     for index, layer in enumerate(draft.draft_layers()):  # each layer over the one below's output, same slots
         attn = layer.self_attn
-        x, residual = layer.layer_input(embeds, out)  # [1, S, 2H] (layer 0) or [1, S, H], and [1, S, H]
-        q, k, v = layer.qkv(x, rotary)  # [1, h, S, d], [1, kv, S, d] x2
+        x, residual = layer.layer_input(embeds, out)  # [A, S, 2H] (layer 0) or [A, S, H], and [A, S, H]
+        q, k, v = layer.qkv(x, rotary)  # [A, h, S, d], [A, kv, S, d] x2
         keys, values = kv.write(slot, k, v, index)
         attended = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
-        out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(1, q.shape[2], -1)))
+        out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)))
     normed = draft.norm(out)
-    rows = normed[0, -logits_to_keep:] if logits_to_keep > 0 else normed[0]
-    timer.add("draft: layer forward", mark)
-    mark = timer.now()
-    logits = draft.lm_head(rows)
-    timer.add("draft: head", mark)
-    return logits, normed if draft.config.norm_output else out
+    return normed, normed if draft.config.norm_output else out

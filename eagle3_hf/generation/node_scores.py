@@ -24,13 +24,18 @@ __all__ = ["NodeScores"]
 
 @dataclass
 class NodeScores:
-    """Per-cycle scores of one tree: `logits` `[T, V]` from the verify forward, `prefix` `[1, L]` the output so far
-    (ending with the root's token), the call's logits processors."""
+    """Per-cycle scores of one row's tree: `logits` `[T, V]` from the verify forward, `prefix` `[1, L]` the row's
+    output so far (ending with the root's token), the call's logits processors.
+
+    In a batch of `batch_size` rows, generate() builds some processors with per-row state (repetition penalty: each
+    row's padding length), so each call gets the whole batch's shape, the row repeated, and keeps row `row`."""
 
     logits: torch.Tensor
     tree: DraftTree
     prefix: torch.Tensor
     processors: LogitsProcessorList
+    row: int = 0
+    batch_size: int = 1
     _processed: dict[int, torch.Tensor] = field(default_factory=dict)
     _parents: list[int] | None = None
 
@@ -41,10 +46,11 @@ class NodeScores:
     def processed(self, node: int) -> torch.Tensor:
         """Node `node`'s logits in fp32 after the processors, given its own path as input_ids, `[V]` (cached)."""
         if node not in self._processed:
-            row = self.raw(node)
+            scores = self.raw(node)
             if len(self.processors) > 0:
-                row = self.processors(self.input_ids(node), row[None])[0]
-            self._processed[node] = row
+                ids, rows = self.input_ids(node), self.batch_size
+                scores = self.processors(ids.expand(rows, -1), scores[None].expand(rows, -1).clone())[self.row]
+            self._processed[node] = scores
         return self._processed[node]
 
     def input_ids(self, node: int) -> torch.Tensor:

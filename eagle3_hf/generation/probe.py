@@ -18,8 +18,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.steps import _target_mask  # the tree mask decoding builds
-from eagle3_hf.generation.tree import tree_attention_mask
+from eagle3_hf.generation.tree import target_tree_mask, tree_attention_mask
 from eagle3_hf.modeling._compat import cache_kwargs
 
 __all__ = ["DEFAULT_PROBE_TREE", "ProbeResult", "probe_row_exactness"]
@@ -163,7 +162,7 @@ def probe_row_exactness(
                 target(prompt, use_cache=True, **cache_kwargs(tree_cache), **extra)
                 if state is not None:
                     state.set_tree(torch.tensor(parents, device=device), prefix)
-                mask = _target_mask(
+                mask = target_tree_mask(
                     target.config, tree_attention_mask(torch.tensor(parents, device=device)), prefix, target.dtype
                 )
                 recorder.clear()

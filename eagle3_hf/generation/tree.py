@@ -10,11 +10,11 @@ Children of a node are ordered by index, and index order is sibling order (draw 
 
 Every function here is pure (no module state, no model) and follows the device of its inputs.
 
-Building greedy (temperature 0) trees, EAGLE-2 style:
+Building greedy (temperature 0) trees, EAGLE-2 style (``drafting.build_greedy_trees``):
 
-1. ``expand_topk`` gives every frontier node its ``top_k`` best children with cumulative scores
-   (sum of draft log-probs along the path);
-2. ``select_frontier`` keeps the ``top_k`` best of those ``k_f * top_k`` children as the next frontier;
+1. every frontier node gets its ``top_k`` best children with cumulative scores (sum of draft log-probs along the
+   path);
+2. the ``top_k`` best of those ``k_f * top_k`` children become the next frontier;
 3. after the last level, ``rerank`` keeps the ``total_tokens - 1`` best candidates over all levels and
    returns the parent array of the final tree (root first, parents before children).
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,14 +39,11 @@ import torch
 __all__ = [
     "DraftTree",
     "children_lists",
-    "expand_topk",
     "rerank",
-    "retrieve_paths",
     "sample_children",
-    "select_frontier",
+    "target_tree_mask",
     "tree_attention_mask",
     "tree_depths",
-    "tree_position_ids",
     "verification_mask",
 ]
 
@@ -138,13 +136,6 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     return tree_attention_mask(parents).sum(dim=-1) - 1
 
 
-def tree_position_ids(parents: torch.Tensor, past_length: int) -> torch.Tensor:
-    """``LongTensor [T]``: position id of every node, ``past_length + depth`` (the root sits at ``past_length``)."""
-    if past_length < 0:
-        raise ValueError(f"`past_length` must be >= 0, got {past_length}")
-    return tree_depths(parents) + past_length
-
-
 def children_lists(parents: torch.Tensor) -> list[list[int]]:
     """Children of every node, each list in index (== sibling) order."""
     _check_parents(parents)
@@ -153,26 +144,6 @@ def children_lists(parents: torch.Tensor) -> list[list[int]]:
     for node, parent in enumerate(parent_list[1:], start=1):
         children[parent].append(node)
     return children
-
-
-def retrieve_paths(parents: torch.Tensor) -> torch.Tensor:
-    """``LongTensor [num_leaves, max_depth + 1]``: node indices from root to each leaf, padded with -1.
-
-    Leaves come in increasing index order. Along a root-to-leaf path indices increase (parents precede
-    children), so a path is simply the leaf's ancestor set sorted by index.
-    """
-    mask = tree_attention_mask(parents)
-    num_nodes = parents.shape[0]
-    has_child = torch.zeros(num_nodes, dtype=torch.bool, device=parents.device)
-    has_child[parents[1:].long()] = True
-    leaves = (~has_child).nonzero().squeeze(-1)
-    leaf_rows = mask[leaves]  # [num_leaves, T]
-    width = int(leaf_rows.sum(dim=-1).max())
-    slot = leaf_rows.long().cumsum(dim=-1) - 1  # slot[l, j]: place of node j on leaf l's path
-    rows, cols = leaf_rows.nonzero(as_tuple=True)
-    paths = torch.full((leaves.shape[0], width), -1, dtype=torch.long, device=parents.device)
-    paths[rows, slot[rows, cols]] = cols
-    return paths
 
 
 def verification_mask(
@@ -218,51 +189,6 @@ def verification_mask(
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
-
-
-def expand_topk(
-    frontier_scores: torch.Tensor, logprobs: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best ``top_k`` children of every frontier node.
-
-    Args:
-        frontier_scores: ``[k_f]`` cumulative scores of the frontier nodes.
-        logprobs: ``[k_f, Vd]`` draft log-probs after each frontier node.
-        top_k: children per frontier node.
-
-    Returns:
-        ``(child_draft_ids [k_f, top_k], child_scores [k_f, top_k])`` with
-        ``child_scores = frontier_scores[:, None] + top_k log-probs``, best first in each row. Ids are in the
-        draft vocabulary (map them to target ids with ``d2t``).
-    """
-    if logprobs.dim() != 2 or frontier_scores.shape != logprobs.shape[:1]:
-        raise ValueError(
-            f"expected frontier_scores [k_f] and logprobs [k_f, Vd], got {tuple(frontier_scores.shape)} and "
-            f"{tuple(logprobs.shape)}"
-        )
-    if not 1 <= top_k <= logprobs.shape[-1]:
-        raise ValueError(f"`top_k` must be in [1, {logprobs.shape[-1]}] (the draft vocab size), got {top_k}")
-    values, ids = logprobs.topk(top_k, dim=-1)
-    return ids, frontier_scores[:, None] + values
-
-
-def select_frontier(child_scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` best children overall become the next frontier.
-
-    Args:
-        child_scores: ``[k_f, c]`` scores of the children of each frontier node (from ``expand_topk``).
-        top_k: size of the next frontier.
-
-    Returns:
-        ``(flat_indices [top_k], parent_rows [top_k])``, best first: indices into ``child_scores.flatten()`` and
-        the frontier row each selected child hangs from (``flat_indices // c``).
-    """
-    if child_scores.dim() != 2:
-        raise ValueError(f"`child_scores` must be [k_f, c], got shape {tuple(child_scores.shape)}")
-    if not 1 <= top_k <= child_scores.numel():
-        raise ValueError(f"`top_k` must be in [1, {child_scores.numel()}] (number of children), got {top_k}")
-    flat = child_scores.flatten().topk(top_k).indices
-    return flat, torch.div(flat, child_scores.shape[1], rounding_mode="floor")
 
 
 def rerank(
@@ -362,3 +288,18 @@ def sample_children(
     gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny)))
     keys = (log_q + gumbel).nan_to_num(nan=-math.inf)  # -inf + finite stays -inf; guards nan logits
     return keys.topk(num).indices
+
+
+def target_tree_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:
+    """4D additive tree mask for one row of the target behind `past` cached tokens (`verification_mask`); a
+    per-layer-type dict when the target mixes sliding-window layers."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    full = verification_mask(tree_mask, past, dtype)
+    if window and layer_types and "sliding_attention" in layer_types:
+        sliding = verification_mask(tree_mask, past, dtype, sliding_window=window)
+        return {"full_attention": full, "sliding_attention": sliding}
+    if window and not layer_types and getattr(text, "use_sliding_window", True):
+        return verification_mask(tree_mask, past, dtype, sliding_window=window)
+    return full

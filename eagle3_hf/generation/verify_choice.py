@@ -11,8 +11,8 @@ So `exact_verify="auto"` (the default) asks the row-invariance probe (probe.py, 
 target, dtype, device, thread count, attention implementation and set of module types (prepacking weights changes
 the kernels), and verifies row-exact only where the probe finds the verify forward equal to one-token steps bit for
 bit. `exact_verify=True` runs row-exact regardless and warns once per setting where the probe fails; False always
-verifies in one call. Batches (batched.py) and non-CPU devices verify in one call: row-exact verification covers
-torch's CPU attention for one prompt.
+verifies in one call. Batches of several prompts and non-CPU devices verify in one call: row-exact verification
+covers torch's CPU attention for one prompt.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ import torch
 from transformers import DynamicCache
 
 from eagle3_hf.benchmark import read_prompts
-from eagle3_hf.generation.drafting import crop_cache
+from eagle3_hf.generation.target_cache import crop_cache
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.steps import _target_mask
+from eagle3_hf.generation.tree import target_tree_mask
 from eagle3_hf.generation.timing import CycleTimer
 from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
 from eagle3_hf.hub import default_prompts_path, load_draft_for
@@ -110,7 +110,7 @@ def references(model, ids: torch.Tensor, context: int, parents: list[int], repea
         def tree_forward(exact: bool) -> None:
             if exact:
                 state.set_tree(parents_t, context)
-            mask = _target_mask(model.config, tree_attention_mask(parents_t), context, model.dtype)
+            mask = target_tree_mask(model.config, tree_attention_mask(parents_t), context, model.dtype)
             model(tokens, attention_mask=mask, position_ids=(context + depths)[None], use_cache=True,
                   eagle3_exact=state, **cache_kwargs(cache))  # fmt: skip
             state.clear_tree()

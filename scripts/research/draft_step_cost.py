@@ -7,7 +7,7 @@ with the weights prepacked for oneDNN or not) this times, after the draft has re
 * `model forward`: one level through `Eagle3DraftModel.forward` with a `DynamicCache` (appended to, then cropped),
   as drafting used to run;
 * `draft_forward`: the same level through the decoding-time step (`generation.draft_step`, preallocated KV);
-* `tree / level`: a whole `build_greedy_tree` (fixed shape, every level grown) divided by its draft levels.
+* `tree / level`: a whole `build_greedy_trees` for one row (fixed shape, every level grown) divided by its draft levels.
 
 Medians of `--repeats`, as wall-clock and as this process's CPU time (on a shared machine the CPU time is the
 steadier of the two: it leaves out the time other processes held the cores; with one thread it equals the wall
@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from eagle3_hf.generation.draft_step import draft_forward
-from eagle3_hf.generation.drafting import DraftState, TreeBudget, build_greedy_tree, flush_pending
+from eagle3_hf.generation.drafting import DraftState, TreeBudget, build_greedy_trees, catch_up
 from eagle3_hf.hub import load_draft_for
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.modeling_eagle3 import additive_mask, select_target_features
@@ -55,7 +55,7 @@ def measure(target, draft, context: torch.Tensor, budget: TreeBudget, repeats: i
     next_tokens = torch.cat([context[:, 1:], out.logits[:, -1:].argmax(-1)], dim=1)
     state = DraftState()
     state.add_verified(features, next_tokens)
-    flush_pending(draft, state)
+    catch_up(draft, state)
     length, k = state.length, budget.top_k
     tokens = torch.randint(0, target.config.get_text_config().vocab_size, (1, k))
     hidden = state.last_hidden.expand(1, k, -1)
@@ -73,9 +73,9 @@ def measure(target, draft, context: torch.Tensor, budget: TreeBudget, repeats: i
     return {
         "model forward": median_times(model_level, repeats),
         "draft_forward": median_times(
-            lambda: draft_forward(draft, state.kv, tokens, hidden, positions, length, mask), repeats
+            lambda: draft_forward(draft, state.kv, tokens, hidden, positions[None], length, mask), repeats
         ),
-        "tree": median_times(lambda: build_greedy_tree(draft, state, int(next_tokens[0, -1]), budget), repeats),
+        "tree": median_times(lambda: build_greedy_trees(draft, state, next_tokens[0, -1:], budget), repeats),
     }
 
 

@@ -16,9 +16,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from eagle3_hf.generation.drafting import crop_cache
+from eagle3_hf.generation.target_cache import crop_cache
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.steps import _target_mask
+from eagle3_hf.generation.tree import target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
@@ -69,7 +69,7 @@ def main() -> None:
                         if exact:
                             state.set_tree(parents, context)
                         start = time.perf_counter()
-                        mask = _target_mask(model.config, tree_attention_mask(parents), context, model.dtype)
+                        mask = target_tree_mask(model.config, tree_attention_mask(parents), context, model.dtype)
                         model(tokens, attention_mask=mask, position_ids=(context + depths)[None], use_cache=True,
                               eagle3_exact=state, **cache_kwargs(cache))  # fmt: skip
                         seconds = time.perf_counter() - start

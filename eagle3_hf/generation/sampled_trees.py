@@ -1,8 +1,10 @@
-"""Sampled draft trees for a batch: `drafting.build_sampled_tree`'s rule per row, one draft forward per level.
+"""Sampled draft trees for A rows, one draft forward per level.
 
-Each row keeps the batch-1 rule that keeps recursive rejection sampling exact: a node's children are drawn without
+The rule that keeps recursive rejection sampling exact (verification.py): a node's children are drawn without
 replacement from the draft distribution stored for it, every drawn child is kept, and which nodes grow (and how
-many children they get) is decided before drawing them. Rows differ in how many nodes they expand at a level (their
+many children they get) is decided before drawing them -- whether a node exists never depends on its own sampled
+value, only on its ancestors and on nodes drawn before it. Each tree carries `draft_probs` `[T, V]`: row i is the
+draft distribution (target vocabulary) node i's children were drawn from. Rows differ in how many nodes they expand at a level (their
 budgets and supports differ), so each level feeds `kf = max` rows' frontiers, shorter frontiers padded with dummy
 rows that see only themselves; every level's nodes take `kf` fresh scratch columns after the verified pairs.
 """
@@ -13,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3_hf.generation.batched_draft import BatchDraftState, batched_draft_forward
-from eagle3_hf.generation.drafting import TreeBudget
+from eagle3_hf.generation.draft_step import draft_forward
+from eagle3_hf.generation.drafting import DraftState, TreeBudget
 from eagle3_hf.generation.tree import DraftTree, sample_children
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
 
@@ -23,7 +25,7 @@ __all__ = ["build_sampled_trees"]
 
 @dataclass
 class _RowTree:
-    """One row's tree as it grows (lists, as in the batch-1 builder)."""
+    """One row's tree as it grows."""
 
     tokens: list[int]
     parents: list[int] = field(default_factory=lambda: [-1])
@@ -48,9 +50,11 @@ class _RowTree:
 
 @torch.no_grad()
 def build_sampled_trees(
-    draft: Eagle3DraftModel, state: BatchDraftState, roots: torch.Tensor, budget: TreeBudget, temperature: float
+    draft: Eagle3DraftModel, state: DraftState, roots: torch.Tensor, budget: TreeBudget, temperature: float,
+    totals: list[int] | None = None,
 ) -> list[DraftTree]:
-    """A sampled tree per active row (roots `[A]`), each carrying `draft_probs` `[T, V]` as the batch-1 one does."""
+    """A sampled tree per active row (roots `[A]`) of at most `totals[row]` nodes (default `budget.total_tokens`),
+    root included, each carrying `draft_probs` `[T, V]`."""
     device = roots.device
     vocab = draft.config.vocab_size
     to_target = draft.draft_to_target_ids(torch.arange(state.last_logits.shape[-1], device=device))
@@ -64,7 +68,7 @@ def build_sampled_trees(
     q_root_full = over_target(q_root)
     rows: list[_RowTree] = []
     for r, root in enumerate(roots.tolist()):
-        row = _RowTree(tokens=[root], remaining=budget.total_tokens - 1)
+        row = _RowTree(tokens=[root], remaining=(budget.total_tokens if totals is None else totals[r]) - 1)
         row.q_rows[0] = q_root_full[r]
         count = min(budget.top_k, row.remaining, int((q_root[r] > 0).sum()))
         row.level_nodes = row.add_children(draft, 0, q_root[r], count)
@@ -91,7 +95,7 @@ def build_sampled_trees(
         allowed[:, :, fed:] |= torch.eye(kf, dtype=torch.bool, device=device)  # itself (dummy rows: only itself)
         allowed = torch.cat([state.valid[:, None, :].expand(-1, kf, -1), allowed], dim=2)
         state.forward_calls += 1
-        normed, feedback = batched_draft_forward(
+        normed, feedback = draft_forward(
             draft, state.kv, tokens, hidden, (state.positions + level - 1)[:, None].expand(-1, kf), prefix + fed,
             additive_mask(allowed, hidden.dtype),
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The target side of batched EAGLE-3 decoding: a shared KV cache whose columns are per-row positions or holes.
+"""The target side of EAGLE-3 decoding: a KV cache whose columns are per-row positions or holes.
 
 After the prefill, column `c` of row `b` holds the prompt token at `c` (or left padding). Each cycle the target
 verifies every row's tree in one forward, which appends the `T` (padded) tree nodes of every row as new columns;
@@ -8,7 +8,8 @@ as generate() masks left padding, and positions are carried per column, so slidi
 `compact` moves each row's valid columns together, dropping the columns no row needs, when those pile up.
 
 Shapes: A active rows, S cache columns, T tree nodes per row (the largest tree; shorter ones get dummy nodes that
-attend only to themselves and whose outputs are ignored).
+attend only to themselves and whose outputs are ignored). One row never gets holes: its cache is the plain
+`DynamicCache` of its tokens, which row-exact verification (exact_attention.py) and the returned cache rely on.
 """
 
 from __future__ import annotations
@@ -18,11 +19,52 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.generation import LogitsProcessorList
 
 from eagle3_hf.generation.tree import DraftTree, tree_attention_mask
 
-__all__ = ["PaddedTrees", "TargetColumns", "keep_paths", "pad_trees", "processed_nodes", "verify_mask"]
+__all__ = [
+    "PaddedTrees", "TargetColumns", "crop_cache", "editable_cache", "keep_paths", "pad_trees", "verify_mask",
+    "worth_compacting",
+]  # fmt: skip
+
+# Compact a cache when compaction would drop at least this many columns, and this fraction of the longest row's
+# tokens (see `worth_compacting`).
+COMPACT_RATIO = 0.25
+COMPACT_MIN_COLUMNS = 16
+
+
+def worth_compacting(valid: torch.Tensor) -> bool:
+    """Whether to compact a cache whose columns are valid per row as `valid` `[A, S]`: compaction can drop only the
+    columns beyond the longest row (the rest are some row's tokens); it pays when there are many of them, next to
+    what each forward attends to anyway."""
+    longest = int(valid.sum(dim=1).max())
+    removable = valid.shape[1] - longest
+    return removable >= COMPACT_MIN_COLUMNS and removable > COMPACT_RATIO * longest
+
+
+def editable_cache(cache: Any) -> DynamicCache:
+    """The target cache to decode into; refuse caches whose entries cannot be selected and cropped."""
+    if cache is None:
+        return DynamicCache()
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"EAGLE-3 tree decoding edits the target KV cache (keeps only accepted tree nodes); a "
+            f"{type(cache).__name__} cannot be edited that way. Use the default DynamicCache (no cache_implementation)."
+        )
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            f"EAGLE-3 decoding needs the target's hidden states for the whole prompt, so it prefills it itself; got a "
+            f"cache already holding {cache.get_seq_length()} tokens. Pass no cache (or an empty DynamicCache)."
+        )
+    # A fresh cache: plain full-attention layers, which can drop rejected nodes; sliding-window layers are instead
+    # masked by the tree mask.
+    return DynamicCache()
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` columns of every layer (works across transformers 5.x releases)."""
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
 
 @dataclass
@@ -38,6 +80,12 @@ class TargetColumns:
         valid = attention_mask.bool()
         positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         return cls(valid=valid, positions=positions, next_position=valid.sum(dim=1))
+
+    def crop(self, cache: DynamicCache, length: int) -> None:
+        """Keep the first `length` columns (a stopping criterion cut one row's last cycle short)."""
+        crop_cache(cache, length)
+        self.valid, self.positions = self.valid[:, :length], self.positions[:, :length]
+        self.next_position = self.valid.sum(dim=1)
 
     def select_rows(self, cache: DynamicCache, rows: torch.Tensor) -> None:
         for layer in _layers(cache):
@@ -84,7 +132,7 @@ def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTree
 
 def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, config: Any) -> Any:
     """Additive 4D mask `[A, 1, T, S + T]` for the verify forward (a per-layer-type dict for targets that mix
-    sliding-window and full layers, as steps.py builds for one row)."""
+    sliding-window and full layers)."""
     text = config.get_text_config()
     window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)
@@ -136,32 +184,6 @@ def keep_paths(
     columns.positions = torch.cat([columns.positions, columns.next_position[:, None] + steps[None]], dim=1)
     columns.next_position = columns.next_position + keep.sum(dim=1)
     return index, keep
-
-
-def processed_nodes(
-    processors: LogitsProcessorList, prefix: torch.Tensor, tree: DraftTree, logits: torch.Tensor, row: int,
-    batch_size: int,
-) -> torch.Tensor:
-    """Every node's fp32 logits `[T, V]` after the processors, each given its own path as input_ids (`prefix`
-    `[1, L]` ends with the root), as plain decoding would process batch row `row` at that point of the sequence.
-
-    generate() builds some processors with per-row state (repetition penalty: each row's padding length), so each
-    call gets the whole batch's shape, the row repeated, and keeps row `row` of the result."""
-    logits = logits.float()
-    if len(processors) == 0:
-        return logits
-    parents = tree.parents.tolist()
-    paths: list[list[int]] = [[]]  # the nodes below the root on each node's path
-    for node in range(1, len(parents)):
-        paths.append(paths[parents[node]] + [node])
-    rows = []
-    for node, path in enumerate(paths):
-        ids = prefix
-        if path:
-            ids = torch.cat([prefix, tree.tokens[torch.tensor(path, device=prefix.device)][None].to(prefix.dtype)], 1)
-        scores = logits[node : node + 1].expand(batch_size, -1).clone()
-        rows.append(processors(ids.expand(batch_size, -1), scores)[row])
-    return torch.stack(rows)
 
 
 def _layers(cache: DynamicCache) -> list[Any]:

@@ -1,0 +1,119 @@
+"""What each row of a decoding call emits: its tokens one by one under its stopping criteria, the rows that leave the
+batch, the streamer's columns and the output ids, as plain generate() gives them.
+
+Rows finish on their own stopping criteria; a finished row leaves the batch (it stops costing compute) and its output
+is padded with `pad_token_id` afterwards, as plain generate() pads it -- which it does only when an EOS criterion is
+present; without one plain generate() lets finished rows run on, and so do batches here, until the last row stops.
+A single row stops at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from eagle3_hf.generation.target_cache import worth_compacting
+
+if TYPE_CHECKING:
+    from eagle3_hf.generation.engine import DecodeRun
+
+__all__ = ["emit", "retire_rows", "sequence_length", "sequences", "stream"]
+
+
+def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None, scores: list[Any]) -> list[int]:
+    """Append each active row's tokens one by one, checking its stopping criteria after each (as plain generate()
+    checks every row after every token). A row whose criteria fire keeps no later token when finished rows are padded
+    (and a single row never does); otherwise it runs on (plain generate() keeps its real tokens) without further
+    checks. Returns how many tokens each row appended. `scores`: per row, the cycle's `NodeScores` (the rows of the
+    output's `scores` / `logits` are those of the accepted path's nodes); `results` None for the prefill's token."""
+    emitted = []
+    for i, (row, tokens) in enumerate(zip(run.active, new_tokens)):
+        count = 0
+        if run.output_scores or run.output_logits:
+            nodes = results[i].path if results is not None else [0]
+            processed = scores[i].processed_rows(nodes) if run.output_scores else None
+            raw = scores[i].raw_rows(nodes) if run.output_logits else None
+        for token in tokens:
+            if run.lengths[row] >= run.out.shape[1]:
+                break  # a finished row running on past the longest possible output
+            run.out[row, run.lengths[row]] = token
+            run.lengths[row] += 1
+            if run.output_scores:
+                run.scores += (processed[count : count + 1],)
+            if run.output_logits:
+                run.raw_logits += (raw[count : count + 1],)
+            count += 1
+            if run.stop_lengths[row] is None:
+                ids = run.out[row : row + 1, : run.lengths[row]]
+                if bool(run.stopping_criteria(ids, run.scores if run.output_scores else None).any()):
+                    run.stop_lengths[row] = run.lengths[row]
+                    if run.pad_finished or run.batch_size == 1:
+                        break
+        emitted.append(count)
+    if run.batch_size == 1 and results is not None and emitted[0] < len(new_tokens[0]):
+        # a criterion cut the cycle short: keep the cache in step with the output (every token but the last)
+        run.columns.crop(run.cache, run.cache.get_seq_length() - (len(new_tokens[0]) - emitted[0]))
+    stream(run)
+    return emitted
+
+
+def retire_rows(run: DecodeRun) -> None:
+    """Drop the rows that need no more tokens from the batch (caches and proposer state included); compact the
+    target cache when the columns no row needs pile up."""
+    stopped = [length for length in run.stop_lengths if length is not None]
+    limit = max(stopped) if len(stopped) == run.batch_size else run.max_length
+
+    def needed(row: int) -> bool:
+        if run.stop_lengths[row] is None and run.lengths[row] >= run.out.shape[1]:
+            run.stop_lengths[row] = run.lengths[row]  # no length criterion: stop at generate()'s max_length
+        if run.stop_lengths[row] is None:
+            return True
+        return not run.pad_finished and run.lengths[row] < limit
+
+    keep = [i for i, row in enumerate(run.active) if needed(row)]
+    if keep and len(keep) < len(run.active):
+        index = torch.tensor(keep, device=run.device)
+        run.columns.select_rows(run.cache, index)
+        run.proposer.select_rows(index)
+    run.active = [run.active[i] for i in keep]
+    if run.active and worth_compacting(run.columns.valid):
+        run.columns.compact(run.cache)
+
+
+def stream(run: DecodeRun, final: bool = False) -> None:
+    """Hand the streamer every column all rows have reached, as plain generate() puts one token per row per step."""
+    if run.streamer is None:
+        return
+    # a padded row can give any column, the others only those they have reached; none past the output's end
+    reached = [run.lengths[row] for row, stop in enumerate(run.stop_lengths) if stop is None or not run.pad_finished]
+    end = run.max_length if final or not reached else min(reached)
+    if all(stop is not None for stop in run.stop_lengths):
+        end = min(end, sequence_length(run))
+    for column in range(run.streamed, end):
+        run.streamer.put(_column(run, column).cpu())
+    run.streamed = max(run.streamed, end)
+
+
+def sequence_length(run: DecodeRun) -> int:
+    """Plain generate() stops when every row has stopped: the longest row's stop length."""
+    return max(length if length is not None else run.lengths[row] for row, length in enumerate(run.stop_lengths))
+
+
+def _column(run: DecodeRun, column: int) -> torch.Tensor:
+    values = run.out[:, column].clone()
+    if run.pad_finished:
+        for row, stop in enumerate(run.stop_lengths):
+            if stop is not None and column >= stop:
+                values[row] = run.pad_token_id
+    return values
+
+
+def sequences(run: DecodeRun) -> torch.Tensor:
+    """`[B, L]` output ids: each row's tokens, finished rows padded with `pad_token_id` as plain generate() pads."""
+    length = sequence_length(run)
+    out = run.out[:, :length].clone()
+    if run.pad_finished:
+        for row, stop in enumerate(run.stop_lengths):
+            out[row, stop:] = run.pad_token_id
+    return out

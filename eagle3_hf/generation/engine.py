@@ -1,0 +1,307 @@
+"""The EAGLE-3 decoding loop, one for every batch size: a single prompt is a batch of one.
+
+Each cycle: the proposer (proposers.py) builds a tree per active row; the cost model sizes greedy trees (one node
+count for every row: the forward costs the widest row anyway); one target forward verifies every row's tree over the
+shared cache (per-row 4D masks and positions, target_cache.py), each node's attention row-exact where that was
+chosen for a single prompt (verify_choice.py, exact_attention.py); each row accepts its own path and bonus token
+(verification.py), from scores cast and processed only where acceptance reads them (node_scores.py); the cache keeps
+the accepted paths and the proposer hears what was accepted; each row emits its tokens, checking its stopping
+criteria after each, and rows that need no more tokens leave the batch (emission.py).
+
+Per-call state lives in `DecodeRun` and in the proposer, never on the modules. Invariant between cycles: per row,
+the target cache holds every output token but the last (the tree's root). A batch of one never gets holes in its
+cache, so its cache is the plain `DynamicCache` of its tokens (returned with the output).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+
+from eagle3_hf.generation.cost_model import CycleCostModel
+from eagle3_hf.generation.drafting import TreeBudget
+from eagle3_hf.generation.emission import emit, retire_rows, stream
+from eagle3_hf.generation.exact_attention import ExactAttention
+from eagle3_hf.generation.hybrid import DRAFT, prune_nodes, source_counts
+from eagle3_hf.generation.node_scores import NodeScores
+from eagle3_hf.generation.proposers import Proposal, Proposer, RowTree, root_only
+from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
+from eagle3_hf.generation.timing import NO_TIMER, NullTimer
+from eagle3_hf.generation.tree import DraftTree, rerank
+from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
+from eagle3_hf.modeling._compat import cache_kwargs
+from eagle3_hf.modeling.modeling_eagle3 import select_target_features
+
+__all__ = ["DecodeRun", "decode", "prune_tree"]
+
+
+@dataclass
+class DecodeRun:
+    """Everything one decoding call reads and updates. "Rows" are the B prompts; "active" rows those still decoding,
+    in the order of the caches' rows."""
+
+    model: PreTrainedModel
+    proposer: Proposer
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+    budget: TreeBudget
+    cache: DynamicCache  # the target's
+    layer_ids: list[int]  # the target layers the draft reads (empty without a draft)
+    out: torch.Tensor  # [B, capacity] every row's sequence so far (the padded prompt included)
+    lengths: list[int]  # tokens of `out` per row
+    starts: list[int]  # left padding per row (the target and the lookup never see it)
+    pad_token_id: int | None
+    pad_finished: bool  # plain generate() pads finished rows only when an EOS criterion is present
+    max_length: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    adaptive_tree: bool = True
+    streamer: Any = None
+    output_scores: bool = False  # one row only (batch.py's refusals)
+    output_logits: bool = False
+    cost: CycleCostModel = field(default_factory=CycleCostModel)
+    exact: ExactAttention | None = None  # row-exact verification (one row); None: one tree-masked call
+    timer: NullTimer = NO_TIMER  # named sections per cycle (timing.py); NO_TIMER: not profiled
+    stop_lengths: list[int | None] = field(default_factory=list)  # a row's length when a criterion fired
+    active: list[int] = field(default_factory=list)
+    columns: TargetColumns | None = None
+    streamed: int = 0  # columns of `out` handed to the streamer
+    scores: tuple[torch.Tensor, ...] = ()  # output_scores: one [1, V] row per emitted token
+    raw_logits: tuple[torch.Tensor, ...] = ()
+    accept_lengths: list[list[int]] = field(default_factory=list)  # per row, per cycle: tokens it added
+    tree_sizes: list[list[int]] = field(default_factory=list)  # per row, per cycle: nodes verified (root included)
+    accept_sources: list[list[tuple[int, int, int]]] = field(default_factory=list)  # per row, per cycle
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.out.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.out.shape[0]
+
+
+def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DecodeRun:
+    """Prefill, then propose -> verify -> accept -> update -> emit -> record until every row has stopped."""
+    prefill(run, input_ids, attention_mask)
+    retire_rows(run)
+    while run.active:
+        start = run.cache.get_seq_length()
+        run.timer.start_cycle(past=start)
+        proposal, predicted, draft_s = propose(run)
+        t0 = time.perf_counter()
+        logits, features = verify(run, proposal.rows, start)
+        results, scores = accept(run, proposal.rows, logits)
+        new_tokens = update(run, proposal, results, features, start)
+        verify_s = time.perf_counter() - t0
+        run.verify_time += verify_s
+        mark = run.timer.now()
+        emitted = emit(run, new_tokens, results, scores)
+        run.timer.add("emit (outside verify)", mark)
+        record_cycle(run, proposal, results, emitted, predicted, draft_s, verify_s)
+        retire_rows(run)
+    stream(run, final=True)
+    if run.streamer is not None:
+        run.streamer.end()
+    return run
+
+
+def prefill(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """The target over the prompts (left padding that every row has is dropped; the rest masked as generate() masks
+    it), the first token per row, and each row's prompt handed to the proposer."""
+    t0 = time.perf_counter()
+    lead = min(run.starts)
+    ids, mask = input_ids[:, lead:], attention_mask[:, lead:]
+    holes = not bool(mask.all())
+    positions = (mask.long().cumsum(dim=-1) - 1).masked_fill(mask == 0, 0) if holes else None
+    with torch.no_grad():
+        out = run.model(
+            input_ids=ids, attention_mask=mask if holes else None, position_ids=positions, use_cache=True,
+            output_hidden_states=run.proposer.needs_hidden_states, logits_to_keep=1, **cache_kwargs(run.cache),
+            **_exact_kwargs(run),
+        )  # fmt: skip
+    raw = out.logits[:, -1].float()  # [B, V]
+    processed = run.logits_processor(input_ids, raw.clone())
+    first = select_tokens(run, processed)  # [B]
+    features = select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
+    # pair (feature at t, token at t + 1): real exactly where token t is
+    run.proposer.prefill(run, features, torch.cat([ids[:, 1:], first[:, None]], dim=1), mask.bool())
+    run.columns = TargetColumns.from_prompt(mask)
+    del out
+    _sync(run.device)
+    run.prefill_time = time.perf_counter() - t0
+    emit(run, [[token] for token in first.tolist()], None, [_Scores(processed[i], raw[i]) for i in range(len(first))])
+
+
+def select_tokens(run: DecodeRun, processed: torch.Tensor) -> torch.Tensor:
+    """One token per row of `processed` `[A, V]`, as plain generate() picks it."""
+    if run.do_sample:
+        return torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0]
+    return processed.argmax(dim=-1)
+
+
+def propose(run: DecodeRun) -> tuple[Proposal, float, float]:
+    """The proposer's trees (root-only ones where it proposed none), greedy ones sized by the cost model. Returns
+    (proposal, accepted tokens predicted over the rows, seconds spent)."""
+    mark, t0 = run.timer.now(), time.perf_counter()
+    run.cost.rows = len(run.active)
+    roots = torch.tensor([int(run.out[row, run.lengths[row] - 1]) for row in run.active], device=run.device)
+    proposal = run.proposer.propose(run, roots)
+    predicted = 0.0
+    if proposal.rows is not None and run.adaptive_tree and not run.do_sample:
+        ordered = [row.tree.scores[1:].sort(descending=True, stable=True).values.exp() for row in proposal.rows]
+        width = max(p.numel() for p in ordered)
+        probs = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in ordered])  # [A, N]
+        n, predicted = run.cost.choose_size(probs, time.perf_counter() - t0)
+        proposal.rows = None if n == 0 else [prune_tree(row, n) for row in proposal.rows]
+    elif proposal.rows is not None:
+        predicted = sum(float(row.tree.scores[1:].exp().sum()) for row in proposal.rows)
+    if proposal.rows is None:
+        proposal.rows = [root_only(int(root), run.device) for root in roots]
+    _sync(run.device)
+    seconds = time.perf_counter() - t0
+    run.draft_time += seconds
+    run.timer.add("draft", mark)
+    return proposal, predicted, seconds
+
+
+def prune_tree(row: RowTree, n: int) -> RowTree:
+    """The root and the row's `n` best nodes (by cumulative score; a parent is always kept before its child)."""
+    tree = row.tree
+    if n >= tree.num_nodes - 1:
+        return row
+    if row.sources is not None:
+        return RowTree(*prune_nodes(tree, row.sources, row.match, n))
+    kept, parents = rerank(tree.scores[1:], tree.parents[1:] - 1, n + 1)
+    index = torch.cat([torch.zeros(1, dtype=torch.long, device=kept.device), kept + 1])
+    return RowTree(DraftTree.from_parents(tokens=tree.tokens[index], parents=parents, scores=tree.scores[index]))
+
+
+def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over every row's (padded) tree. Returns the logits `[A, T, V]` in the target's dtype and
+    the tapped features `[A, T, 3Ht]` (None when the proposer reads none)."""
+    trees = [row.tree for row in rows]
+    if run.exact is not None:
+        run.exact.set_tree(trees[0].parents, start)
+    mark = run.timer.now()
+    padded = pad_trees(trees, run.columns.next_position)
+    mask = None
+    if padded.tokens.shape[1] > 1 or not bool(run.columns.valid.all()):  # a plain step of rows without holes: none
+        mask = verify_mask(run.columns, padded, run.model.dtype, run.model.config)
+    try:
+        with torch.no_grad():
+            out = run.model(
+                input_ids=padded.tokens, attention_mask=mask, position_ids=padded.positions, use_cache=True,
+                output_hidden_states=run.proposer.needs_hidden_states, **cache_kwargs(run.cache), **_exact_kwargs(run),
+            )  # fmt: skip
+    finally:
+        if run.exact is not None:
+            run.exact.clear_tree()
+    run.timer.add("target forward", mark)
+    features = select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
+    return out.logits, features
+
+
+def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[list[AcceptResult], list[NodeScores]]:
+    """Each row's longest valid path (greedy match, or lossless stochastic acceptance) and bonus token, its scores
+    processed along each visited node's own path."""
+    mark = run.timer.now()
+    results, scores = [], []
+    for i, (row, proposal) in enumerate(zip(run.active, rows)):
+        tree = proposal.tree
+        prefix = run.out[row : row + 1, : run.lengths[row]]
+        node_scores = NodeScores(logits[i, : tree.num_nodes], tree, prefix, run.logits_processor, row, run.batch_size)
+        if run.do_sample:
+            # a root-only tree has no drafted children: sample_accept then draws the bonus from p
+            draft_probs = tree.draft_probs if tree.draft_probs is not None else (
+                lambda node, s=node_scores: torch.zeros_like(s.raw(node)))  # fmt: skip
+            result = sample_accept(tree.tokens, tree.parents, node_scores.probs, draft_probs,
+                                   point_mass=proposal.point_mass, draws=proposal.draws)  # fmt: skip
+        else:
+            result = greedy_accept(tree.tokens, tree.parents, node_scores.greedy_choice)
+        results.append(result)
+        scores.append(node_scores)
+    run.timer.add("acceptance", mark)
+    return results, scores
+
+
+def update(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None,
+           start: int) -> list[list[int]]:  # fmt: skip
+    """Keep each row's accepted path in the target cache; tell the proposer. Returns each row's new tokens (accepted
+    nodes + bonus)."""
+    mark = run.timer.now()
+    index, keep = keep_paths(run.cache, run.columns, start, [result.path for result in results])
+    run.timer.add("cache compaction", mark)
+    new_tokens = [row.tree.tokens[result.path[1:]].tolist() + [int(result.bonus_token)]
+                  for row, result in zip(proposal.rows, results)]  # fmt: skip
+    tokens = torch.zeros(index.shape, dtype=torch.long, device=run.device)
+    for i, row_tokens in enumerate(new_tokens):
+        tokens[i, : len(row_tokens)] = torch.tensor(row_tokens, device=run.device)
+    picked = None
+    if features is not None:
+        picked = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[2]))  # [A, W, 3Ht]
+    run.proposer.observe(run, proposal, results, picked, tokens, keep)
+    _sync(run.device)
+    return new_tokens
+
+
+def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], emitted: list[int],
+                 predicted: float, draft_s: float, verify_s: float) -> None:  # fmt: skip
+    """Bookkeeping: tree sizes, where the accepted tokens came from, and what the cost model learns -- the verify
+    cost of the cycle's width, the proposals' calibration, and whether consulting the draft gained tokens over plain
+    steps in the same time (only the tokens the draft proposed count: the lookup's came without consulting it)."""
+    cost, rows = run.cost, len(results)
+    width = max(row.tree.num_nodes for row in proposal.rows)
+    cost.rows = rows
+    cost.verify.observe(rows * width, verify_s)
+    from_draft = 0
+    for row, tree, result, count in zip(run.active, proposal.rows, results, emitted):
+        nodes = tree.tree.num_nodes
+        sources = tree.sources if tree.sources is not None else [0] + [DRAFT] * (nodes - 1)
+        run.tree_sizes[row].append(nodes)
+        run.accept_lengths[row].append(count)
+        accepted = len(result.path) - 1
+        counts = source_counts(sources, result.path, min(accepted, count)) if nodes > 1 else (0, 0, 0)
+        run.accept_sources[row].append(counts)
+        from_draft += sum(1 for node in result.path[1:] if sources[node] & DRAFT)
+    if width > 1:
+        cost.record_cycle(predicted, sum(len(result.path) - 1 for result in results))
+    if proposal.consulted and run.adaptive_tree:
+        spent = draft_s + (verify_s if width > 1 else 0.0)
+        cost.after_consultation((from_draft + rows if width > 1 else 0) - spent * cost.plain_rate())
+    if run.timer.enabled:
+        run.timer.note(nodes=width, accepted=sum(len(r.path) - 1 for r in results), draft_s=draft_s,
+                       verify_s=verify_s, parents=proposal.rows[0].tree.parents.tolist())  # fmt: skip
+
+
+@dataclass
+class _Scores:
+    """The prefill's scores of one row, as emission reads a cycle's `NodeScores`."""
+
+    processed: torch.Tensor  # [V]
+    raw: torch.Tensor  # [V]
+
+    def processed_rows(self, nodes: list[int]) -> torch.Tensor:
+        return self.processed[None]
+
+    def raw_rows(self, nodes: list[int]) -> torch.Tensor:
+        return self.raw[None]
+
+
+def _exact_kwargs(run: DecodeRun) -> dict[str, Any]:
+    """The keyword that hands the call's row-exact state to the attention function (see exact_attention.py)."""
+    return {} if run.exact is None else {"eagle3_exact": run.exact}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,240 @@
+"""What a cycle verifies: each row's tree, from one source or several, behind one interface.
+
+A proposer is shaped like transformers' candidate generators: where `get_candidates` returns candidate tokens and
+`update_candidate_strategy` hears how many were accepted, `propose` returns a tree per active row (`Proposal`) and
+`observe` hears each row's accepted path, with the target's features of the accepted tokens. The decoding loop
+(engine.py) verifies whatever trees come back, sizes greedy ones with the cost model, and never asks where a node came
+from except to report it. A proposer is per-call state: decoding builds a new one for every `generate()` call.
+
+Three ship:
+- `DraftProposer`: the EAGLE-3 draft's tree (greedy: EAGLE-2's dynamic tree; sampled: children drawn without
+  replacement), its draft consulted when the cost model says a tree may pay;
+- `LookupProposer`: the context lookup's continuations of each row's current suffix (model-free);
+- `HybridProposer`: both in one tree under one node budget, a lookup node equal to a draft node merged (hybrid.py);
+  the draft's forward is skipped in a cycle where every row's lookup is confident of its next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagle3_hf.generation.drafting import DraftState, build_greedy_trees, catch_up
+from eagle3_hf.generation.hybrid import (
+    LookupState,
+    best_lookup_nodes,
+    graft,
+    graft_sampled,
+    lookup_only_tree,
+)
+from eagle3_hf.generation.sampled_trees import build_sampled_trees
+from eagle3_hf.generation.target_cache import worth_compacting
+from eagle3_hf.generation.tree import DraftTree
+from eagle3_hf.generation.verification import AcceptResult
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+
+if TYPE_CHECKING:  # the loop's per-call state; proposers read it, the loop owns it
+    from eagle3_hf.generation.engine import DecodeRun
+
+__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "Proposal", "Proposer", "RowTree"]
+
+
+@dataclass
+class RowTree:
+    """One row's proposal: its tree (the root is the row's last token) and, for trees of several sources, per node
+    where it came from."""
+
+    tree: DraftTree
+    sources: list[int] | None = None  # per node DRAFT, LOOKUP or BOTH (hybrid.py); None: every node from the draft
+    match: list[int] | None = None  # per node: effective lookup match length, 0 for nodes not from the lookup
+    point_mass: torch.Tensor | None = None  # sampled trees: nodes that are lookup proposals (a point mass)
+    draws: dict[int, list[int]] | None = None  # sampled trees: draw sequences where duplicates were removed
+
+
+@dataclass
+class Proposal:
+    """A cycle's proposal: a tree per active row, or None for a plain step of every row."""
+
+    rows: list[RowTree] | None = None
+    consulted: bool = False  # the draft was consulted (the cost model scores what that gained)
+
+
+def root_only(token: int, device: torch.device) -> RowTree:
+    """A tree of the root alone: the row takes a plain step."""
+    tree = DraftTree.from_parents(tokens=torch.tensor([token], device=device),
+                                  parents=torch.tensor([-1], device=device), scores=torch.zeros(1, device=device))  # fmt: skip
+    return RowTree(tree)
+
+
+class Proposer:
+    """The interface the decoding loop calls (see the module docstring). `needs_hidden_states`: whether the loop must
+    ask the target for its hidden states (the draft reads them; a lookup does not)."""
+
+    needs_hidden_states = False
+
+    def prefill(self, run: DecodeRun, features: torch.Tensor | None, next_tokens: torch.Tensor,
+                valid: torch.Tensor) -> None:  # fmt: skip
+        """What the prompt's forward gave: per row and prompt column, the tapped features `[A, N, 3Ht]` (None without
+        hidden states), the token that follows `[A, N]`, and whether the column is a real token `[A, N]`."""
+
+    def propose(self, run: DecodeRun, roots: torch.Tensor) -> Proposal:
+        """A tree per active row, rooted at `roots` `[A]` (each row's last token)."""
+        raise NotImplementedError
+
+    def observe(self, run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None,
+                tokens: torch.Tensor, keep: torch.Tensor) -> None:  # fmt: skip
+        """Each active row's accepted path (`results`), and per row the accepted tokens' features `[A, W, 3Ht]` with
+        the token that follows each `[A, W]` (`keep` `[A, W]`: the column is one of the row's)."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Only the active rows `rows` (indices into the current ones) go on (the others finished)."""
+
+
+class DraftProposer(Proposer):
+    """The EAGLE-3 draft's trees, one draft forward per level for every row."""
+
+    needs_hidden_states = True
+
+    def __init__(self, draft: Eagle3DraftModel) -> None:
+        self.draft = draft
+        self.state = DraftState()
+
+    def prefill(self, run, features, next_tokens, valid) -> None:
+        self.state.add_verified(features, next_tokens, valid)
+
+    def consult(self, run: DecodeRun) -> tuple[bool, bool]:
+        """(consulted, worth): whether the cost model's back-off let the draft be consulted this cycle, and whether
+        verifying some of each row's best next tokens then beats a plain step (a tree is worth building)."""
+        if run.adaptive_tree and not run.cost.consult_draft():
+            return False, False
+        catch_up(self.draft, self.state)  # the verified pairs since the last consultation; not a draft step
+        if worth_compacting(self.state.valid):  # rows accept paths of different lengths: holes pile up
+            self.state.compact()
+        if not run.adaptive_tree:
+            return True, True
+        probs = torch.softmax(self.state.last_logits.float() / run.temperature, dim=-1)
+        return True, run.cost.worth_drafting(probs.topk(min(run.budget.top_k, probs.shape[-1]), dim=-1).values)
+
+    def trees(self, run: DecodeRun, roots: torch.Tensor, totals: list[int] | None = None) -> list[DraftTree]:
+        """Every row's tree (sampled trees of at most `totals[row]` nodes); times the draft's forwards."""
+        cost, state, rows = run.cost, self.state, roots.numel()
+        start, calls = time.perf_counter(), state.forward_calls
+        if run.do_sample:
+            grow = (lambda best, nodes: cost.worth_deeper(best * rows, nodes)) if run.adaptive_tree else None
+            trees = build_sampled_trees(self.draft, state, roots, replace(run.budget, grow=grow), run.temperature,
+                                        totals)  # fmt: skip
+        else:
+            budget = replace(run.budget, grow=cost.worth_deeper if run.adaptive_tree else None)
+            trees = build_greedy_trees(self.draft, state, roots, budget)
+        if state.forward_calls > calls:
+            cost.draft_step.observe(rows, (time.perf_counter() - start) / (state.forward_calls - calls))
+        return trees
+
+    def propose(self, run, roots) -> Proposal:
+        consulted, worth = self.consult(run)
+        if not worth:
+            return Proposal(consulted=consulted)
+        return Proposal([RowTree(tree) for tree in self.trees(run, roots)], consulted=True)
+
+    def observe(self, run, proposal, results, features, tokens, keep) -> None:
+        self.state.add_verified(features, tokens, keep)
+
+    def select_rows(self, rows) -> None:
+        self.state.select_rows(rows)
+
+
+class LookupProposer(Proposer):
+    """The context lookup's continuations of each row's suffix (context_index.py), with estimates from hit rates
+    measured during the call (hybrid.py)."""
+
+    def __init__(self, options) -> None:
+        self.options = options
+        self.lookups: list[LookupState] = []  # per active row
+
+    def prefill(self, run, features, next_tokens, valid) -> None:
+        self.lookups = [LookupState(options=self.options) for _ in run.active]
+
+    def tries(self, run: DecodeRun) -> list[tuple]:
+        """Each active row's (trie, conditional estimates) for this cycle, its index synced with its output."""
+        out = []
+        for lookup, row in zip(self.lookups, run.active):
+            lookup.sync(run.out[row, run.starts[row] : run.lengths[row]])
+            out.append(lookup.propose())
+        return out
+
+    def rows(self, run: DecodeRun, roots: torch.Tensor, tries: list[tuple]) -> list[RowTree] | None:
+        """Lookup-only trees (None when no row has a continuation)."""
+        trees, total = [], run.budget.total_tokens
+        for root, (trie, cond) in zip(roots.tolist(), tries):
+            if trie.num_nodes <= 1:
+                trees.append(root_only(root, run.device))
+            elif run.do_sample:
+                chosen = best_lookup_nodes(trie, cond, total - 1)
+                base = root_only(root, run.device).tree
+                trees.append(_sampled_graft(base, trie, cond, chosen) if chosen else RowTree(base))
+            else:
+                trees.append(RowTree(*lookup_only_tree(root, trie, cond, run.device, total)))
+        return trees if any(row.tree.num_nodes > 1 for row in trees) else None
+
+    def propose(self, run, roots) -> Proposal:
+        return Proposal(self.rows(run, roots, self.tries(run)))
+
+    def observe(self, run, proposal, results, features, tokens, keep) -> None:
+        if proposal.rows is None:
+            return
+        for lookup, row, result in zip(self.lookups, proposal.rows, results):
+            if row.match is not None:
+                lookup.observe(row.tree.parents.tolist(), row.match, result.path)
+
+    def select_rows(self, rows) -> None:
+        self.lookups = [self.lookups[i] for i in rows.tolist()]
+
+
+class HybridProposer(Proposer):
+    """The draft's trees with the context lookup's continuations grafted in (see the module docstring)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, draft: Eagle3DraftModel, options) -> None:
+        self.draft = DraftProposer(draft)
+        self.lookup = LookupProposer(options)
+
+    def prefill(self, run, features, next_tokens, valid) -> None:
+        self.draft.prefill(run, features, next_tokens, valid)
+        self.lookup.prefill(run, features, next_tokens, valid)
+
+    def propose(self, run, roots) -> Proposal:
+        tries = self.lookup.tries(run)
+        # a lookup this sure of every row's next token leaves the draft little to add: skip its forward this cycle
+        confident = all(any(cond[i] >= self.lookup.options.confidence for i in range(1, trie.num_nodes)
+                            if trie.parents[i] == 0) for trie, cond in tries)  # fmt: skip
+        consulted, worth = (False, False) if confident else self.draft.consult(run)
+        if not worth:
+            return Proposal(self.lookup.rows(run, roots, tries), consulted=consulted)
+        total = run.budget.total_tokens
+        if run.do_sample:  # the lookup's nodes are chosen from the context alone, before any draw
+            room = total - 1 - run.budget.top_k  # leave the draft its first level
+            chosen = [best_lookup_nodes(trie, cond, room) for trie, cond in tries]
+            trees = self.draft.trees(run, roots, totals=[total - len(c) for c in chosen])
+            rows = [_sampled_graft(tree, trie, cond, c) if c else RowTree(tree)
+                    for tree, (trie, cond), c in zip(trees, tries, chosen)]  # fmt: skip
+        else:
+            rows = [RowTree(*graft(tree, trie, cond, total)) if trie.num_nodes > 1 else RowTree(tree)
+                    for tree, (trie, cond) in zip(self.draft.trees(run, roots), tries)]  # fmt: skip
+        return Proposal(rows, consulted=True)
+
+    def observe(self, run, proposal, results, features, tokens, keep) -> None:
+        self.draft.observe(run, proposal, results, features, tokens, keep)
+        self.lookup.observe(run, proposal, results, features, tokens, keep)
+
+    def select_rows(self, rows) -> None:
+        self.draft.select_rows(rows)
+        self.lookup.select_rows(rows)
+
+
+def _sampled_graft(tree: DraftTree, trie, cond: list[float], chosen: list[int]) -> RowTree:
+    grafted = graft_sampled(tree, trie, cond, chosen)
+    return RowTree(grafted.tree, grafted.sources, grafted.match, grafted.point_mass, grafted.draws)
