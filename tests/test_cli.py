@@ -358,7 +358,10 @@ def test_readme_set_up_is_what_a_newcomer_can_run():
     readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
     set_up = readme[readme.index("## Set up") : readme.index("## Using it")]
     assert '".[dev,plot]"' in set_up  # bench --plot works after the Set up
-    assert "--index-url" in set_up and "CPU" in set_up  # what `pip install torch==2.13.0` does, and the alternative
+    # Linux's default index serves torch's multi-GB CUDA build: the CPU wheels' index is written out, not referred to
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in set_up
+    assert "Python 3.10" in set_up and "python -m venv" in set_up  # the version it needs, in its own environment
+    assert 'python -m pytest -q -m "not slow"' in set_up and "pip check" in set_up  # the fast tests; why pip check
     assert "sharegpt.json" not in readme  # no file that nobody has
     assert "--num_processes 2 --cpu" not in readme and "accelerate launch --multi_gpu --num_processes 2" in readme
 
