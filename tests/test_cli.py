@@ -1,6 +1,7 @@
 """The command line as a user meets it: bad input gives one clear line and exit code 2 (no traceback), outputs are
 never overwritten by accident, `--help` and `--version` are instant, `--config` files hold any option."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -68,6 +69,61 @@ def test_help_and_version_do_not_import_torch():
         assert "| torch\n" not in done.stderr and "| transformers\n" not in done.stderr, argv
     version = subprocess.run([sys.executable, "-m", "eagle3_hf.cli", "--version"], capture_output=True, text=True)
     assert version.stdout.startswith("eagle3-hf 0.1.0 (transformers ") and "torch" in version.stdout
+
+
+# What a newcomer mistypes is answered by the command line itself, before torch or transformers load (seconds).
+_NO_TORCH = ("import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1:])\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)")  # fmt: skip
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["generate", "--target", "smolm2"], ["Unknown target 'smolm2'", "did you mean 'smollm2'?"]),
+    (["generate", "--target", "nosuchmodel"], ["Unknown target 'nosuchmodel'", "expected a short name ('smollm2')"]),
+    (["bench", "--target", "SmolLM-2"], ["did you mean 'smollm2'?"]),  # every command checks --target first
+    (["generate", "--draft", "smollm2-135m"], ["--draft 'smollm2-135m': no such folder, shipped draft or Hub id",
+                                               "did you mean 'smollm2-135m-instruct'?"]),
+    (["generate", "--draft", "randon"], ["or 'random', 'lookup'", "did you mean 'random'?"]),
+    (["generate", "--repeats", "0"], ["--repeats must be >= 1, got 0"]),
+    (["generate", "--repeat-tokens", "-2"], ["--repeat-tokens must be >= 1, got -2"]),
+])  # fmt: skip
+def test_mistakes_are_answered_before_torch_loads(argv, fragments):
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout.strip() == "False False", done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"eagle3-hf {argv[0]}: error: "), done.stderr
+    for fragment in fragments:
+        assert fragment.lower() in lines[0].lower(), (fragment, lines[0])
+
+
+def test_a_mistyped_command_gets_a_suggestion():
+    done = subprocess.run([sys.executable, "-m", "eagle3_hf.cli", "genrate", "--target", "smollm2"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert "unknown command 'genrate'; did you mean 'generate'? choose from regenerate," in done.stderr
+    done = subprocess.run([sys.executable, "-m", "eagle3_hf.cli", "xyzzy"], capture_output=True, text=True)
+    assert done.returncode == 2 and "did you mean" not in done.stderr and "unknown command 'xyzzy'" in done.stderr
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from eagle3_hf.cli import SUBCOMMANDS, build_subparser
+
+    for command in (c for c in SUBCOMMANDS if c != "train"):  # train: TrainingArguments' own help, see below
+        parser = build_subparser(command)
+        formatter = parser._get_formatter()  # argparse keeps no public way to one option's help text
+        for action in parser._actions:
+            assert action.help and action.help.strip(), f"eagle3-hf {command} {action.option_strings}: no help"
+            shown = formatter._get_help_string(action)
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                assert "default" in shown, f"eagle3-hf {command} {action.option_strings}: default not shown"
+    text = " ".join(build_subparser("generate").format_help().split())
+    for fragment in ("--max-new-tokens MAX_NEW_TOKENS most new tokens of the streamed answer", "(default: 128)",
+                     "--device DEVICE torch device", "(default: cpu)", "(default: the draft shipped for the target)",
+                     "(default: 3)", "(default: 32)", "(default: all cores)"):  # fmt: skip
+        assert fragment in text, fragment
+    from eagle3_hf.commands.train import quick_help
+
+    train_help = " ".join(quick_help().split())
+    assert "(default: 0.95)" in train_help and "(default: None)" not in train_help  # None is not a default to show
 
 
 def test_debug_shows_the_traceback(capsys):
@@ -302,7 +358,10 @@ def test_readme_set_up_is_what_a_newcomer_can_run():
     readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
     set_up = readme[readme.index("## Set up") : readme.index("## Using it")]
     assert '".[dev,plot]"' in set_up  # bench --plot works after the Set up
-    assert "--index-url" in set_up and "CPU" in set_up  # what `pip install torch==2.13.0` does, and the alternative
+    # Linux's default index serves torch's multi-GB CUDA build: the CPU wheels' index is written out, not referred to
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in set_up
+    assert "Python 3.10" in set_up and "python -m venv" in set_up  # the version it needs, in its own environment
+    assert 'python -m pytest -q -m "not slow"' in set_up and "pip check" in set_up  # the fast tests; why pip check
     assert "sharegpt.json" not in readme  # no file that nobody has
     assert "--num_processes 2 --cpu" not in readme and "accelerate launch --multi_gpu --num_processes 2" in readme
 

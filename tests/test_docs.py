@@ -247,6 +247,54 @@ def test_the_check_accepts_continued_lines_elisions_and_placeholders(line):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# the README's Python: it runs as written, with what the package and its Set up install
+
+
+def python_blocks(text: str) -> list[str]:
+    """The code of each ```python block."""
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.M | re.S)]
+
+
+README_PYTHON = python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
+def test_the_readme_python_blocks_name_what_ships():
+    # Each block runs as written: no placeholder for a folder the reader would have to find or make.
+    assert len(README_PYTHON) >= 2
+    for block in README_PYTHON:
+        compile(block, "README.md", "exec")
+        assert not re.search(r"\b[A-Z]+_DIR\b|path/to", block), block
+        assert 'load_target_and_tokenizer("smollm2"' in block and 'from_pretrained("smollm2-135m-instruct"' in block
+
+
+@pytest.mark.slow
+def test_the_readme_python_blocks_run(monkeypatch, capsys):
+    import functools
+
+    import torch
+
+    from eagle3_hf import targets
+
+    # SmolLM2 loads once for all the blocks (dequantizing its GGUF takes about 15 s), and answers stay short.
+    monkeypatch.setattr(targets, "load_target_and_tokenizer", functools.cache(targets.load_target_and_tokenizer))
+    for block in README_PYTHON:
+        short = re.sub(r"max_new_tokens=\d+", "max_new_tokens=12", block)
+        assert short != block
+        namespace: dict = {}
+        exec(compile(short, "README.md", "exec"), namespace)
+        printed = capsys.readouterr().out
+        assert printed.strip(), block
+        target, out = namespace["target"], namespace["out"]
+        if "ids" in namespace:  # the chat example, greedy in fp32: the target's own answer, token for token
+            ids = namespace["ids"]
+            plain = type(target).generate(target, ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=12)  # fmt: skip
+            assert torch.equal(out.sequences, plain) and len(out.accept_lengths) > 0
+        else:
+            assert printed.startswith(namespace["tokenizer"].decode(namespace["out"][0, :4]))
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # the results
 
 

@@ -1,7 +1,9 @@
-"""`eagle3-hf generate`: streams the answer, then reports EAGLE-3 and plain tokens/s, tau and the drafted cycles."""
+"""`eagle3-hf generate`: says what it loads, streams the answer (and whether it was cut), reports tau and the drafted
+cycles, then times EAGLE-3 and plain decoding in turn over repeats: medians, spreads, warnings when the CPU is busy."""
 
 import re
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -18,24 +20,39 @@ def _expected_answer(folder, prompt: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+CUT = "[cut at the 12-token limit; --max-new-tokens N lets the answer run longer]"
+
+
+def _report(out: str, method: str = "EAGLE-3") -> tuple[str, str]:
+    """(the streamed answer, without a cut note, and the report below it)."""
+    streamed, _, summary = out.partition(f"\n{method}: ")
+    assert summary, f"no {method} report line in {out!r}"
+    return streamed.replace(CUT, "").split(" ...\n", 1)[-1], summary
+
+
 def test_generate_streams_the_answer_and_reports_both_speeds(chat_target, capsys):
     folder, _ = chat_target
     args = ["generate", "--target", str(folder), "--draft", "random", "--prompt", "hello there", "--max-new-tokens",
             "12", "--threads", "1"]  # fmt: skip
-    assert cli_main([*args, "--dtype", "float32"]) == 0
+    assert cli_main([*args, "--dtype", "float32", "--repeats", "2", "--repeat-tokens", "5"]) == 0
     out = capsys.readouterr().out
-    streamed, _, summary = out.partition("\nEAGLE-3 (fp32, 1 thread(s)): ")
+    assert out.startswith(f"Loading {folder} and an untrained draft ...\n")  # said before anything loads
+    streamed, summary = _report(out)
     expected = _expected_answer(folder, "hello there", 12)
     assert expected.strip() and streamed.strip() == expected.strip()  # the streamer printed the answer first
-    assert re.match(r"12 tokens in [\d.]+ s \([\d.]+ tok/s\); tau [\d.]+ over the \d+ of \d+ cycles that drafted", summary)
-    assert re.search(r"plain   \(fp32, 1 thread\(s\)\): 12 tokens in [\d.]+ s \([\d.]+ tok/s\)", summary)
-    assert re.search(r"speedup: [\d.]+x, identical output", summary)  # greedy fp32 is lossless
+    assert CUT in out  # 12 new tokens and no end of sequence: the answer was cut, and the output says so
+    assert re.match(r"12 tokens; tau [\d.]+ over the \d+ of \d+ cycles that drafted", summary)
+    assert "\nplain:   12 tokens, identical output\n" in summary  # greedy fp32 is lossless
+    # the timing: 2 repeats of 5 new tokens, medians and spreads, then the speedup
+    assert "timed (fp32, 1 thread(s)): 2 repeat(s) of 5 new tokens, the methods in turn" in summary
+    assert re.search(r"\n  EAGLE-3 +[\d.]+ tok/s  \(spread \d+%\)\n  plain +[\d.]+ tok/s  \(spread \d+%\)\n"
+                     r"  speedup +[\d.]+x +\(spread \d+%\)", summary)  # fmt: skip
 
-    # --dtype auto: bf16 where this CPU has native bf16 matmul, fp32 elsewhere; said on the report lines
-    assert cli_main(args) == 0
+    # --dtype auto: bf16 where this CPU has native bf16 matmul, fp32 elsewhere; said on the timing line
+    assert cli_main([*args, "--repeats", "1", "--repeat-tokens", "2"]) == 0
     out = capsys.readouterr().out
     auto = short_name(resolve_dtype("auto", "cpu"))
-    assert f"EAGLE-3 ({auto}, 1 thread(s))" in out and f"plain   ({auto}, 1 thread(s))" in out
+    assert f"timed ({auto}, 1 thread(s)): 1 repeat(s) of 2 new tokens" in out
     assert "identical output" in out or f"({auto} rounding; `eagle3-hf bench` reports the fp32 margin" in out
 
 
@@ -44,7 +61,7 @@ def test_without_a_prompt_it_runs_each_built_in_prompt(chat_target, capsys):
 
     folder, _ = chat_target
     args = ["generate", "--target", str(folder), "--draft", "random", "--max-new-tokens", "6", "--threads", "1",
-            "--dtype", "float32"]  # fmt: skip
+            "--dtype", "float32", "--repeats", "1"]  # fmt: skip
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     blocks = out.split(">>> ")[1:]  # one per prompt: its header line, the streamed answer, then the report
@@ -52,26 +69,86 @@ def test_without_a_prompt_it_runs_each_built_in_prompt(chat_target, capsys):
     for prompt, block in zip(BUILT_IN_PROMPTS, blocks):
         header, _, rest = block.partition("\n")
         assert header == prompt
-        streamed, _, summary = rest.partition("\nEAGLE-3 (fp32, 1 thread(s)): ")
-        assert streamed.strip() == _expected_answer(folder, prompt, 6).strip()
-        assert re.match(r"\d+ tokens in [\d.]+ s \([\d.]+ tok/s\); tau [\d.]+ over the \d+ of \d+ cycles that "
-                        r"drafted \(\d+%\)", summary)  # fmt: skip
-        assert re.search(r"speedup: [\d.]+x, identical output", summary)
+        streamed, _, summary = rest.partition("\nEAGLE-3: ")
+        expected = _expected_answer(folder, prompt, 6)
+        assert streamed.replace(CUT.replace("12", "6"), "").strip() == expected.strip()
+        assert re.match(r"\d+ tokens; tau [\d.]+ over the \d+ of \d+ cycles that drafted \(\d+%\)", summary)
+        assert "\nplain:   " in summary and "identical output" in summary
+        assert "1 repeat(s) of 6 new tokens" in summary  # --repeat-tokens (32) is capped at --max-new-tokens
 
 
 def test_the_lookup_tree_and_the_hybrid_tree_from_the_command_line(chat_target, capsys):
     folder, _ = chat_target
     base = ["generate", "--target", str(folder), "--prompt", "hello there hello there", "--max-new-tokens", "12",
-            "--threads", "1", "--dtype", "float32"]  # fmt: skip
+            "--threads", "1", "--dtype", "float32", "--repeats", "1", "--repeat-tokens", "2"]  # fmt: skip
     expected = _expected_answer(folder, "hello there hello there", 12)
     # the hybrid tree is the default with a draft, reported as EAGLE-3; --no-context-lookup is the draft's tree alone
     for extra, method in ((["--draft", "lookup"], "lookup tree"), (["--draft", "random"], "EAGLE-3"),
                           (["--draft", "random", "--no-context-lookup"], "EAGLE-3")):  # fmt: skip
         assert cli_main([*base, *extra]) == 0
         out = capsys.readouterr().out
-        streamed, _, summary = out.partition(f"\n{method} (fp32, 1 thread(s)): ")
-        assert summary, f"no {method} report line in {out!r}"
+        streamed, summary = _report(out, method)
         assert streamed.strip() == expected.strip()
-        assert re.search(r"speedup: [\d.]+x, identical output", summary)
+        assert "identical output" in summary and re.search(rf"\n  {method} +[\d.]+ tok/s", summary)
         if "--no-context-lookup" in extra:  # nothing comes from a lookup that is off
             assert "the context lookup" not in summary
+
+
+def test_no_compare_times_eagle3_alone(chat_target, capsys):
+    folder, _ = chat_target
+    assert cli_main(["generate", "--target", str(folder), "--draft", "random", "--prompt", "hi", "--max-new-tokens",
+                     "4", "--threads", "1", "--dtype", "float32", "--no-compare", "--repeats", "2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "plain" not in out.split("\nEAGLE-3: ")[1] and re.search(r"\n  EAGLE-3 +[\d.]+ tok/s", out)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the parts of an honest measurement, on their own
+
+
+def test_was_cut_tells_a_limit_from_an_end_of_sequence():
+    from eagle3_hf.commands.generate import was_cut
+
+    assert was_cut(torch.tensor([5, 6, 7]), 2, 3)  # at the limit, no EOS
+    assert not was_cut(torch.tensor([5, 6, 2]), 2, 3)  # the last token is EOS
+    assert not was_cut(torch.tensor([5, 6, 9]), [2, 9], 3)  # any of several EOS ids
+    assert not was_cut(torch.tensor([5, 2]), 2, 3)  # stopped early
+    assert was_cut(torch.tensor([5, 6, 7]), None, 3)  # a model without an EOS id
+
+
+def test_spread_and_the_busy_machine_warning():
+    from eagle3_hf.commands.generate import busy_warning, spread
+
+    assert spread([10.0, 12.0, 11.0]) == pytest.approx(2 / 11) and spread([7.0]) == 0.0
+    assert busy_warning(2, load=1.9) is None
+    warning = busy_warning(2, load=3.25)
+    assert "load average over the last minute is 3.25, above the 2 thread(s)" in warning and "--threads 1" in warning
+    assert "--threads 1" not in busy_warning(1, load=1.5)  # already one thread: rerunning later is the advice
+
+
+def test_time_in_turn_alternates_the_methods():
+    from eagle3_hf.commands.generate import time_in_turn
+
+    order = []
+
+    def call(name):
+        def run():
+            order.append(name)
+            return torch.zeros(1, 7, dtype=torch.long)  # 4 prompt tokens and 3 new ones
+
+        return run
+
+    rates = time_in_turn({"a": call("a"), "b": call("b")}, 3, prompt_length=4)
+    assert order == ["a", "b", "b", "a", "a", "b"]  # in turn, each first every other round
+    assert [len(v) for v in rates.values()] == [3, 3] and all(r > 0 for v in rates.values() for r in v)
+
+
+def test_the_spread_warning_names_the_noisy_measurement(capsys):
+    from eagle3_hf.commands.generate import _report_rates
+
+    _report_rates({"EAGLE-3": [30.0, 31.0, 30.5], "plain": [20.0, 30.0, 25.0]}, "EAGLE-3")
+    out, err = capsys.readouterr()
+    assert re.search(r"  EAGLE-3 +30\.5 tok/s  \(spread 3%\)\n  plain +25\.0 tok/s  \(spread 40%\)", out)
+    assert "warning: the timed repeats spread by 40% (plain), 38% (speedup), more than 20%" in err
+    _report_rates({"EAGLE-3": [30.0, 31.0], "plain": [20.0, 20.5]}, "EAGLE-3")
+    assert capsys.readouterr().err == ""

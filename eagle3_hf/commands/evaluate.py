@@ -26,14 +26,15 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=("held-out", "all"), default="held-out",
                         help="held-out: only the conversations training leaves out (by id hash); all: every one "
                         "(data no draft was trained on, such as MT-bench)")  # fmt: skip
-    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION)
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
+                        help="share of conversations (by id hash) training held out (as in training)")  # fmt: skip
     parser.add_argument("--max-conversations", type=int, default=None, help="evaluate at most this many")
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--ttt-length", type=int, default=7)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: cut)")
+    parser.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (each scored)")
+    parser.add_argument("--batch-size", type=int, default=4, help="conversations per forward")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the target and the draft (a GGUF target computes in float32 anyway)")  # fmt: skip
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps")
     parser.add_argument("--json", default=None, help="write {draft: metrics} here")
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --json file")
     parser.add_argument("--record", default=None, metavar="LABEL",

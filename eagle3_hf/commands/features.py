@@ -21,11 +21,13 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=SPLITS, default="train",
                         help="train: leave out the held-out conversations (by id hash); held-out: only those (for "
                         "`train --eval-features`); all: every one")  # fmt: skip
-    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION)
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--max-conversations", type=int, default=None)
-    parser.add_argument("--shard-size", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
+                        help="share of conversations (by id hash) held out; must match training's")  # fmt: skip
+    parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: truncated)")
+    parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
+    parser.add_argument("--shard-size", type=int, default=256,
+                        help="conversations per shard (the most work an interruption can lose)")  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=1, help="conversations per target forward")
     parser.add_argument("--layer-ids", default=None, help="three comma-separated output_hidden_states indices "
                         "(default 2,L//2,L-3)")  # fmt: skip
     parser.add_argument("--storage-dtype", default="bfloat16", choices=DTYPES, help="dtype on disk")

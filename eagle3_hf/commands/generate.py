@@ -1,14 +1,24 @@
 """`eagle3-hf generate`: prompts through `target.generate(..., assistant_model=draft)`, against plain decoding.
 
-Without `--prompt` it runs the built-in prompts: the first thing a newcomer runs, so it shows what the method is for.
+Without `--prompt` it runs the built-in prompts: the first thing a newcomer runs, so it shows what the method is for,
+and its numbers must not depend on luck. One run of each method is one sample of a machine that other jobs may share
+(the same prompt once printed 0.17x, then 2.67x), so the answer is streamed once (which also warms both methods up)
+and the speed is then measured over several short repeats, plain and EAGLE-3 in turn, as medians with their spread;
+a spread above `SPREAD_WARNING`, or a load average above the threads used, is said to make the numbers unreliable.
+It says what it loads before torch is imported, so the terminal is never silent for the seconds that takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+from eagle3_hf.hub import LOOKUP_DRAFT, RANDOM_DRAFT, SHIPPED_DRAFTS, check_draft_option
 from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments
 
 # Answers a draft predicts well, a list and a piece of code, whose next token mostly follows from what came before:
@@ -19,47 +29,94 @@ BUILT_IN_PROMPTS = (
     "List the twelve months of the year, one per line, each with its number of days.",
     "Write a Python function that returns the first n Fibonacci numbers, then call it for n = 10.",
 )
+# (max - min) / median of a method's timed repeats above which the machine was too busy for the numbers to hold.
+SPREAD_WARNING = 0.20
 
 
 def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
+    parser.add_argument("--target", default="smollm2",
+                        help='target model: "smollm2" (SmolLM2-135M-Instruct, installed with the data packages), a '
+                             "folder, a .gguf file, or a Hub id org/name")  # fmt: skip
     parser.add_argument("--draft", default=None,
-                        help='draft folder; default: the shipped draft; "random": untrained; "lookup": no draft, the '
-                             "context lookup's tree alone (model-free)")  # fmt: skip
+                        help="draft: a folder, a shipped draft's name or a Hub id (default: the draft shipped for the "
+                             "target); \"random\": untrained; \"lookup\": no draft, the context lookup's tree alone "
+                             "(model-free)")  # fmt: skip
     parser.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
                         help="graft the context lookup's continuations into the draft's tree (the hybrid tree, the "
                              "default); --no-context-lookup: the draft's tree alone")  # fmt: skip
     parser.add_argument("--prompt", default=None, help="the prompt (default: the built-in ones, a list and code)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="most new tokens of the streamed answer (an answer cut there is said to be)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed repeats of each method, taken in turn after the streamed answer")
+    parser.add_argument("--repeat-tokens", type=int, default=32,
+                        help="new tokens per timed repeat (at most --max-new-tokens)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     add_precision_arguments(parser)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-compare", action="store_true", help="skip the plain-generate run and speedup")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--no-compare", action="store_true", help="skip plain decoding (no speedup, no comparison)")
     add_exact_verify_argument(parser)
 
 
 def _check_options(args: Any) -> None:
-    """What can be checked before anything is loaded."""
+    """What can be checked before torch is imported, so that a typo is answered at once."""
+    from eagle3_hf.target_names import resolve_target
+
+    resolve_target(args.target)  # before the draft: an unknown target is that, not a target without a shipped draft
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}.")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}.")
+    for name in ("max_new_tokens", "repeats", "repeat_tokens", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+    check_draft_option(args.target, args.draft)
+
+
+def _loading_line(args: Any) -> str:
+    from eagle3_hf.target_names import describe_target
+
+    if args.draft is None:
+        draft = f"its shipped draft {SHIPPED_DRAFTS[args.target.lower()]}"
+    else:
+        draft = {RANDOM_DRAFT: "an untrained draft", LOOKUP_DRAFT: "no draft (the context lookup alone)"}.get(
+            args.draft, f"the draft {args.draft}")  # fmt: skip
+    return f"Loading {describe_target(args.target)} and {draft} ..."
+
+
+def busy_warning(threads: int, load: float | None = None) -> str | None:
+    """A warning when the last minute's load average (`os.getloadavg`, read before this run adds its own) is above
+    the threads this run uses: other jobs then take cores from it, and its timings are slower and vary more."""
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # no load average on this platform (Windows)
+            return None
+    if load <= threads:
+        return None
+    fewer = ", or give it --threads 1" if threads > 1 else ""  # threads that wait for each other slow every step
+    return (f"warning: the load average over the last minute is {load:.2f}, above the {threads} thread(s) this run "
+            "uses: another job is using the CPU, so the timings below are slower and vary more than on an idle "
+            f"machine; rerun when it is idle{fewer}.")  # fmt: skip
 
 
 def run_cli(args: Any) -> int:
+    from eagle3_hf.precision import default_threads
+
     _check_options(args)
+    print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
     import torch
 
     from eagle3_hf.hub import load_draft_for
     from eagle3_hf.modeling.packed_linear import prepack_linears
-    from eagle3_hf.precision import default_threads, resolve_dtype, short_name
-    from eagle3_hf.targets import check_device, load_target, load_tokenizer, resolve_target
+    from eagle3_hf.precision import resolve_dtype, short_name
+    from eagle3_hf.targets import check_device, load_target, load_tokenizer
 
     check_device(args.device)
-    resolve_target(args.target)  # a bad name or path fails here, at once
-    torch.set_num_threads(args.threads or default_threads())
+    threads = args.threads or default_threads()
+    warning = busy_warning(threads)  # read before the models load, which adds this run's own work to the load
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    torch.set_num_threads(threads)
     dtype = resolve_dtype(args.dtype, args.device)
     target = load_target(args.target, dtype=dtype, device=args.device)
     tokenizer = load_tokenizer(args.target)
@@ -84,66 +141,117 @@ def run_cli(args: Any) -> int:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"].to(target.device)
         _run_prompt(target, draft, tokenizer, ids, dict(kwargs, attention_mask=torch.ones_like(ids)), args, dtype,
-                    setup, warm_up=i == 0)  # fmt: skip
+                    setup)  # fmt: skip
     return 0
 
 
 def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[str, Any], args: Any, dtype: Any,
-                setup: str, warm_up: bool) -> None:  # fmt: skip
-    """Stream EAGLE-3's answer, then print what was measured: tokens/s, tau, drafted share, and against plain."""
-    import torch
+                setup: str) -> None:  # fmt: skip
+    """Stream EAGLE-3's answer and say what it did (tau, drafted share, against plain), then time both methods."""
     from transformers import TextStreamer
 
-    from eagle3_hf.generation.verify_choice import PROVEN
-    from eagle3_hf.precision import exact_verify_setting, short_name
+    from eagle3_hf.precision import exact_verify_setting
 
-    eagle_kwargs = dict(kwargs, exact_verify=exact_verify_setting(args))
-    eagle_kwargs["context_lookup"] = args.context_lookup
-    method = "lookup tree" if args.draft == "lookup" else "EAGLE-3"  # with the context lookup (default) or without
-    if warm_up:  # the first call of each method pays one-off costs (allocations, kernel selection)
-        target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=8))
+    eagle_kwargs = dict(kwargs, exact_verify=exact_verify_setting(args), context_lookup=args.context_lookup)
+    method = "lookup tree" if args.draft == LOOKUP_DRAFT else "EAGLE-3"  # with the context lookup (default) or without
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # prints as tokens are accepted
-    start = time.perf_counter()
     out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, streamer=streamer, **eagle_kwargs)
-    eagle_s = time.perf_counter() - start
     new = out.sequences[0, ids.shape[1] :]
+    if was_cut(new, target.generation_config.eos_token_id, args.max_new_tokens):
+        print(f"[cut at the {args.max_new_tokens}-token limit; --max-new-tokens N lets the answer run longer]")
     cycles = len(out.accept_lengths)
     drafted = [a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1]
     tau = sum(drafted) / len(drafted) if drafted else 0.0
-    print(
-        f"\n{method} ({setup}): {new.numel()} tokens in {eagle_s:.2f} s ({new.numel() / eagle_s:.1f} tok/s); "
-        f"tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted ({len(drafted) / max(cycles, 1):.0%})"
-    )
+    print(f"\n{method}: {new.numel()} tokens; tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted "
+          f"({len(drafted) / max(cycles, 1):.0%})")  # fmt: skip
     print(f"verification: {out.verification} ({out.verification_reason})")
     if out.accepted_from_lookup or out.accepted_from_both:
         print(f"accepted tokens from the draft {out.accepted_from_draft}, the context lookup "
               f"{out.accepted_from_lookup}, both {out.accepted_from_both}")  # fmt: skip
-    if args.no_compare:
-        return
-    if warm_up:
-        type(target).generate(target, ids, **dict(kwargs, max_new_tokens=8))
-    start = time.perf_counter()
-    plain = type(target).generate(target, ids, **kwargs)
-    plain_s = time.perf_counter() - start
-    plain_new = plain[0, ids.shape[1] :]
-    print(f"plain   ({setup}): {plain_new.numel()} tokens in {plain_s:.2f} s ({plain_new.numel() / plain_s:.1f} tok/s)")
-    print(f"speedup: {(new.numel() / eagle_s) / (plain_new.numel() / plain_s):.2f}x", end="")
+    if not args.no_compare:  # plain's whole answer, to compare; its first call is also plain's warm-up
+        plain_new = type(target).generate(target, ids, **kwargs)[0, ids.shape[1] :]
+        agreement = _agreement(plain_new, new, args, dtype, out.verification_reason)
+        print(f"plain:   {plain_new.numel()} tokens, {agreement}")
+    n = min(args.repeat_tokens, args.max_new_tokens)
+    calls = {method: lambda: target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=n))}
+    if not args.no_compare:  # type(target).generate: the model's own, which bind() does not route to EAGLE-3
+        calls["plain"] = lambda: type(target).generate(target, ids, **dict(kwargs, max_new_tokens=n))
+    print(f"timed ({setup}): {args.repeats} repeat(s) of {n} new tokens, the methods in turn; median, and spread = "
+          "(max - min) / median")  # fmt: skip
+    _report_rates(time_in_turn(calls, args.repeats, ids.shape[1]), method)
+
+
+def _report_rates(rates: dict[str, list[float]], method: str) -> None:
+    """Each method's median tokens/s and spread, the speedup (the median of the repeats' ratios: each ratio
+    compares runs made close together, so it moves less with the load than the ratio of medians), and a warning
+    when a spread says the machine was busy."""
+    spreads = {name: spread(values) for name, values in rates.items()}
+    for name, values in rates.items():
+        print(f"  {name:<8} {statistics.median(values):6.1f} tok/s  (spread {spreads[name]:.0%})")
+    if "plain" in rates:
+        ratios = [e / p for e, p in zip(rates[method], rates["plain"])]
+        spreads["speedup"] = spread(ratios)
+        print(f"  speedup  {statistics.median(ratios):6.2f}x      (spread {spreads['speedup']:.0%})")
+    noisy = {name: s for name, s in spreads.items() if s > SPREAD_WARNING}
+    if noisy:
+        print(f"warning: the timed repeats spread by {', '.join(f'{s:.0%} ({m})' for m, s in noisy.items())}, more "
+              f"than {SPREAD_WARNING:.0%}: something else was using the CPU; rerun when it is idle, or with more "
+              "--repeats.", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def was_cut(new_tokens: Any, eos_token_id: int | list[int] | None, max_new_tokens: int) -> bool:
+    """Whether an answer stopped at the token limit rather than at an end-of-sequence token."""
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    return new_tokens.numel() >= max_new_tokens and int(new_tokens[-1]) not in eos
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the repeats of one measurement fell (0 for a single repeat)."""
+    middle = statistics.median(values)
+    return (max(values) - min(values)) / middle if middle > 0 else 0.0
+
+
+def time_in_turn(calls: dict[str, Callable[[], Any]], repeats: int, prompt_length: int) -> dict[str, list[float]]:
+    """New tokens per second of each call, over `repeats` rounds that run every call once, in turn.
+
+    Taking the methods in turn, rather than all repeats of one and then the other, spreads a change in the
+    machine's load over both; the first call runs first in even rounds and last in odd ones, so that neither always
+    follows the other. Each call returns token ids of shape [1, prompt_length + new] (or an output holding them).
+    """
+    import torch
+
+    rates: dict[str, list[float]] = {name: [] for name in calls}
+    for round_index in range(repeats):
+        for name in list(calls) if round_index % 2 == 0 else list(calls)[::-1]:
+            start = time.perf_counter()
+            out = calls[name]()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the kernels of the call, not only their launches
+            seconds = time.perf_counter() - start
+            sequences = out if isinstance(out, torch.Tensor) else out.sequences
+            rates[name].append((sequences.shape[1] - prompt_length) / seconds)
+    return rates
+
+
+def _agreement(plain_new: Any, new: Any, args: Any, dtype: Any, verification_reason: str) -> str:
+    """Whether EAGLE-3's answer is plain decoding's, and if not, whether that is expected."""
+    import torch
+
+    from eagle3_hf.generation.verify_choice import PROVEN
+    from eagle3_hf.precision import short_name
+
     if torch.equal(plain_new, new):
-        print(", identical output")
-    elif args.temperature > 0:
-        print(", outputs differ (sampling)")
-    elif dtype == torch.float32:
-        print(f", outputs differ from token {_first_difference(plain_new, new)}: unexpected for greedy fp32")
-    elif out.verification_reason.startswith(PROVEN):
-        print(
-            f", outputs differ from token {_first_difference(plain_new, new)}: unexpected with row-exact verification "
-            "that the row-invariance probe proved bit for bit on this CPU"
-        )
-    else:  # one tree-masked verify call rounds differently from a one-token step, so a near-tie can flip
-        print(
-            f", outputs differ from token {_first_difference(plain_new, new)} ({short_name(dtype)} rounding; "
-            "`eagle3-hf bench` reports the fp32 margin at such a point)"
-        )
+        return "identical output"
+    where = f"outputs differ from token {_first_difference(plain_new, new)}"
+    if args.temperature > 0:
+        return "outputs differ (sampling)"
+    if dtype == torch.float32:
+        return f"{where}: unexpected for greedy fp32"
+    if verification_reason.startswith(PROVEN):
+        return f"{where}: unexpected with row-exact verification that the row-invariance probe proved bit for bit on " \
+               "this CPU"  # fmt: skip
+    # one tree-masked verify call rounds differently from a one-token step, so a near-tie can flip
+    return f"{where} ({short_name(dtype)} rounding; `eagle3-hf bench` reports the fp32 margin at such a point)"
 
 
 def _first_difference(a: Any, b: Any) -> int:

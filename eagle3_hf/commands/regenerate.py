@@ -24,15 +24,18 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluation prompts to keep out of the answers: MT-bench question.jsonl files or conversation files; "
         "a conversation with a user turn equal to one of them (case and whitespace aside) is dropped",
     )  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--max-prompt-length", type=int, default=2048)
-    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts answered together")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="most new tokens of each answer")
+    parser.add_argument("--max-prompt-length", type=int, default=2048,
+                        help="a conversation stops at the first turn whose prompt is longer (tokens)")  # fmt: skip
+    parser.add_argument("--shard-size", type=int, default=256,
+                        help="conversations per shard (the most work an interruption can lose)")  # fmt: skip
     parser.add_argument("--do-sample", action="store_true", help="sample answers instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype the target runs in")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from eagle3_hf.commands import OneLineErrors, apply_config, load_config_file, say, split_config
+from eagle3_hf.commands import OneLineErrors, ShowDefaults, apply_config, load_config_file, say, split_config
 from eagle3_hf.commands.train_checks import check_train_arguments, resume_checkpoint
 from eagle3_hf.commands.vocab import draft_vocab_size_arg
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE, Eagle3TrainingOptions
@@ -142,7 +142,7 @@ def _add_fields(group: Any, cls: type) -> None:
 def quick_help() -> str:
     """`eagle3-hf train --help`: our options and the EAGLE-3 ones, without importing transformers."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog=PROG, description=DESCRIPTION, formatter_class=ShowDefaults,
         usage=f"{PROG} --target TARGET (--data SRC [SRC ...] | --features DIR [DIR ...]) --output-dir DIR "
               "[options] [any TrainingArguments option]",
         epilog="Every transformers TrainingArguments field is an option as well ("

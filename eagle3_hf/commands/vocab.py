@@ -45,8 +45,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
     parser.add_argument("--output", required=True, help="safetensors file to write (d2t, t2d, counts)")
     add_vocab_size_arguments(parser, default="auto")
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--max-conversations", type=int, default=None)
+    parser.add_argument("--max-length", type=int, default=2048,
+                        help="tokens per conversation counted (longer: truncated)")  # fmt: skip
+    parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --output file")
 
 

@@ -44,6 +44,7 @@ from eagle3_hf.modeling.layouts import (
     normalize_key,
     speculators_config_kwargs,
 )
+from eagle3_hf.modeling.shipped import shipped_draft_folder, unknown_draft_hint
 
 __all__ = ["LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint"]
 
@@ -61,13 +62,16 @@ _HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_
 
 
 def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -> str:
-    """A local folder holding the checkpoint: `path_or_id` itself, or a Hub snapshot of it."""
+    """A local folder holding the checkpoint: `path_or_id` itself, a shipped draft's, or a Hub snapshot of it."""
     path = os.fspath(path_or_id)
     subfolder = hub_kwargs.pop("subfolder", None) or ""
-    if os.path.isdir(path):
+    if os.path.isdir(path):  # a folder of that name wins over a shipped draft, as a local folder wins over the Hub
         return os.path.join(path, subfolder)
     if os.path.exists(path):
         raise ValueError(f"Expected a checkpoint folder or a Hub repo id, got the file {path!r}.")
+    shipped = shipped_draft_folder(path)
+    if shipped is not None:
+        return os.path.join(shipped, subfolder)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
@@ -75,9 +79,8 @@ def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -
     try:
         root = snapshot_download(repo_id=path, allow_patterns=patterns, **hub_kwargs)
     except (OSError, HFValidationError) as err:
-        raise ValueError(
-            f"{path!r} is neither a local checkpoint folder nor a Hub repo that could be fetched: {err}"
-        ) from err
+        raise ValueError(f"{path!r} is neither a local checkpoint folder, a draft shipped with eagle3_hf "
+                         f"({unknown_draft_hint(path)}), nor a Hub repo that could be fetched: {err}") from err
     return os.path.join(root, subfolder)
 
 

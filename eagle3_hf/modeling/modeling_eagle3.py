@@ -323,11 +323,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def from_pretrained(  # type: ignore[override]
         cls, pretrained_model_name_or_path: str, *model_args: Any, target: PreTrainedModel | None = None, **kwargs: Any
     ) -> Eagle3DraftModel:
-        """Load a draft in the native, official (SafeAILab), SpecForge or speculators layout (detected).
-
-        With `target`, the draft is checked against it (hidden size, vocabulary, depth), takes its token embedding
-        when the checkpoint has none, and is bound to it so that `target.generate(..., assistant_model=draft)` runs
-        EAGLE-3 tree decoding.
+        """Load a draft (a folder, a shipped draft's name such as "smollm2-135m-instruct", or a Hub id) in the
+        native, official (SafeAILab), SpecForge or speculators layout (detected). With `target`, the draft is
+        checked against it (hidden size, vocabulary, depth), takes its token embedding when the checkpoint has none,
+        and is bound to it so that `target.generate(..., assistant_model=draft)` runs EAGLE-3 tree decoding.
         """
         return load_draft(cls, pretrained_model_name_or_path, *model_args, target=target, **kwargs)
 
