@@ -38,7 +38,9 @@ from eagle3_hf.modeling.embedding import (  # noqa: F401  (embeddings_match, who
     whole_tensor,
 )
 from eagle3_hf.modeling.layer_keys import check_layers_present
+from eagle3_hf.modeling.layout_fields import choose_reading, three_taps
 from eagle3_hf.modeling.layouts import (
+    EAGLE,
     EMBED_KEY,
     LAYOUTS,
     NATIVE,
@@ -57,15 +59,26 @@ logger = hf_logging.get_logger(__name__)
 # config
 
 
-def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: str) -> Eagle3DraftConfig:
-    """Our config for a checkpoint of `layout` (RoPE always from the checkpoint itself, never from a target)."""
+# What a caller may choose the reading of (`load_draft`): fields that the official/SpecForge layout states in ways its
+# readers took differently. A checkpoint that states one unambiguously must agree with the choice.
+READING_OPTIONS = ("norm_output", "target_layer_ids")
+
+
+def draft_config_from(
+    layout: str, config: dict[str, Any], keys: Any, source: str, reading: dict[str, Any] | None = None
+) -> Eagle3DraftConfig:
+    """Our config for a checkpoint of `layout` (RoPE always from the checkpoint itself, never from a target);
+    `reading`: the caller's choice among the readings of an ambiguous field (see `READING_OPTIONS`)."""
     try:
         if layout == NATIVE:
             _check_native_keys(config, source)
             draft_config = Eagle3DraftConfig.from_dict(config)
             draft_config.layer_config()  # the layers' own checks (head sizes), while the file can still be named
             return draft_config
-        fields = speculators_config_kwargs(config) if layout == SPECULATORS else eagle_config_kwargs(config, keys)
+        if layout == SPECULATORS:
+            fields = speculators_config_kwargs(config)
+        else:
+            fields = eagle_config_kwargs(config, keys, reading)
         draft_config = Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
         # Name a depth the weights do not hold in layers (not as a list of missing or unexpected weights).
         check_layers_present(draft_config.num_hidden_layers, keys, f"{layout} layout")
@@ -234,6 +247,10 @@ def load_draft(
         use_target_embedding (`bool`): replace an embedding stored in the checkpoint by the target's; without it, a
             stored embedding that is not bit for bit the target's raises `ValueError` (one stored in a narrower dtype
             must be the target's rounded to it, and is then replaced by the target's own; see `embedding_mismatch`).
+        norm_output (`bool`), target_layer_ids (`list[int]`): the reading of a field that an official/SpecForge
+            checkpoint states in a way its readers took differently (``norm_output: true`` was EAGLE-3 to SpecForge
+            before its PR #879; tap ids whose first is not 1), which otherwise loads as today's vLLM and SGLang read
+            it, with a warning; in any layout, a value the checkpoint does not state raises `ValueError`.
         dtype / torch_dtype, device, device_map, attn_implementation, ...: as for `PreTrainedModel.from_pretrained`;
             `dtype` defaults to the target's, else to the checkpoint's ("auto": its own weights' dtype). The embedding
             is never rounded: a narrower `dtype` keeps it in its source's precision (`set_embedding`).
@@ -245,6 +262,7 @@ def load_draft(
     dtype = dtype if dtype is not None else torch_dtype
     device = kwargs.pop("device", None)
     config_override = kwargs.pop("config", None)
+    reading = _reading_options(kwargs)
     source = repr(os.fspath(path_or_id))
     if use_target_embedding and target is None:
         raise ValueError("use_target_embedding=True needs the target: pass target=... as well.")
@@ -255,13 +273,16 @@ def load_draft(
     elif config_override is not None:
         raise ValueError(f"config must be an Eagle3DraftConfig, got {type(config_override).__name__}.")
     else:
-        config = draft_config_from(layout, raw_config, state_dict.keys(), f"{source} ({layout} layout)")
+        config = draft_config_from(layout, raw_config, state_dict.keys(), f"{source} ({layout} layout)", reading)
     if target is not None:
         _check_target(config, target)
         reference = target.get_input_embeddings().weight
         dtype = reference.dtype if dtype is None else dtype
         if device is None and kwargs.get("device_map") is None:
             device = reference.device
+    if layout != EAGLE or config_override is not None:  # the others state these fields one way only
+        for name, given in reading.items():
+            choose_reading(name, [(getattr(config, name), "as it states")], given, f"the {layout} checkpoint {source}")
     _prepare_vocab(state_dict, config, source)
     _check_state_dict(cls, config, state_dict, f"{source} ({layout} layout)")
     has_embedding = EMBED_KEY in state_dict
@@ -291,6 +312,16 @@ def load_draft(
         _take_target_embedding(draft, target, source, replace=use_target_embedding)
         draft.bind(target)
     return draft
+
+
+def _reading_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the `READING_OPTIONS` given (not None) from `kwargs`, checked."""
+    reading = {name: value for name in READING_OPTIONS if (value := kwargs.pop(name, None)) is not None}
+    if not isinstance(reading.get("norm_output", False), bool):
+        raise ValueError(f"norm_output must be True or False, got {reading['norm_output']!r}.")
+    if "target_layer_ids" in reading:
+        reading["target_layer_ids"] = three_taps(reading["target_layer_ids"], "target_layer_ids passed")
+    return reading
 
 
 def _read_training_info(path_or_id: str | os.PathLike) -> dict[str, Any] | None:

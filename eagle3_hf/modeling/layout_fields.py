@@ -1,4 +1,5 @@
-"""The config fields every external EAGLE-3 layout shares: a flat Llama/Qwen3-style layer config, read and written.
+"""What every external EAGLE-3 layout shares: a flat Llama/Qwen3-style layer config (read and written), the three
+target taps, and how a field that readers take in more than one way is resolved.
 
 The official/SpecForge layout (`eagle3_hf.modeling.eagle_layout`) is such a config at its top level; speculators
 (`eagle3_hf.modeling.layouts`) nests one as its ``transformer_layer_config``. Both read RoPE from the checkpoint
@@ -7,14 +8,20 @@ itself, never from a target (reference §1 and §6.3).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 
-__all__ = ["common_fields", "layer_fields", "required", "rope_legacy", "rope_parameters_from"]
+__all__ = [
+    "NORM_PAIR", "check_tap_count", "choose_reading", "common_fields", "layer_fields", "required", "rope_legacy",
+    "rope_parameters_from", "three_taps",
+]  # fmt: skip
 
 _DEFAULT_ROPE_THETA = 10000.0
+# Both fusion norms: this package applies the per-tap ones first, vLLM the joint one first, speculators neither.
+NORM_PAIR = ("fc_norm=True with norm_before_fc=True (speculators refuses the pair, vLLM applies input_norm before the "
+             "per-tap norms and eagle3_hf after them, so no reader runs the same draft)")  # fmt: skip
 
 
 def required(config: dict[str, Any], names: Iterable[str], where: str) -> None:
@@ -109,3 +116,45 @@ def common_fields(config: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
     }
+
+
+def check_tap_count(count: Any, where: str) -> None:
+    """Raise `ValueError` unless `count` (``num_aux_hidden_states``: vLLM and SGLang size ``fc`` by it) is absent or
+    3, the taps an eagle3_hf draft fuses."""
+    if count is not None and count != 3:
+        raise ValueError(f"The {where} config has num_aux_hidden_states={count!r}; eagle3_hf drafts fuse exactly 3 "
+                         "target taps.")  # fmt: skip
+
+
+def three_taps(ids: Any, where: str) -> list[int]:
+    """`ids` as a list of three non-negative integers, else `ValueError` naming it."""
+    if not isinstance(ids, (list, tuple)) or len(ids) != 3 or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):  # fmt: skip
+        raise ValueError(f"The {where} are {ids!r}; expected three non-negative layer ids (eagle3_hf drafts fuse "
+                         "exactly 3 target taps).")  # fmt: skip
+    return [int(i) for i in ids]
+
+
+def choose_reading(
+    name: str,
+    readings: list[tuple[Any, str]],
+    given: Any,
+    what: str,
+    warn: Callable[[str], None] | None = None,
+) -> Any:
+    """The value a checkpoint's field is read as: the caller's choice `given` when it is one of the `readings`
+    ``(value, who reads it so)``, else `ValueError` naming both; without a choice the first reading (the servers'),
+    with a `warn`ing naming the others when there are several."""
+    values = [value for value, _ in readings]
+    said = " or ".join(f"{name}={value!r} ({who})" for value, who in readings)
+    if given is not None:
+        if given not in values:
+            raise ValueError(f"{name}={given!r} was passed, but {what} can be read only as {said}.")
+        return given
+    if len(readings) > 1 and warn is not None:
+        (first, who), others = readings[0], readings[1:]
+        warn(f"{what[0].upper()}{what[1:]}: read as {name}={first!r}, the way {who} read it; "
+             + "; ".join(f"{w} read it as {name}={v!r}" for v, w in others)
+             + f". Pass {name}=... to from_pretrained (eagle3-hf train: the matching flag) to choose one and silence "
+             "this warning.")  # fmt: skip
+    return values[0]

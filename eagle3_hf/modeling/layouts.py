@@ -36,7 +36,7 @@ from eagle3_hf.modeling.eagle_layout import (  # noqa: F401  (eagle_config_kwarg
 from eagle3_hf.modeling.embedding import resolve_include_embedding, stored_embedding
 from eagle3_hf.modeling.identity import is_hub_id, target_identity  # noqa: F401  (is_hub_id: re-exported)
 from eagle3_hf.modeling.layer_keys import from_numbered, to_numbered
-from eagle3_hf.modeling.layout_fields import common_fields, layer_fields
+from eagle3_hf.modeling.layout_fields import NORM_PAIR, check_tap_count, common_fields, layer_fields, three_taps
 
 NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
 LAYOUTS = (NATIVE, SPECULATORS, EAGLE)
@@ -50,17 +50,22 @@ _SPECULATORS_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCaus
 SPECULATORS_VERSION = "0.7.0"
 # Prefixes some exports put in front of every key (a wrapper module's attribute name).
 _KEY_PREFIXES = ("draft_model.", "model.")
+# SpecForge's and SGLang's older names of the per-tap norms (with `use_aux_norm`, their older name of `fc_norm`).
+_LEGACY_NAMES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
 CONFIG_NAME = "config.json"
 EMBED_KEY = "embed_tokens.weight"
 
 
 def normalize_key(key: str) -> str:
     """Map an external weight name to our state-dict name: strip wrapper prefixes, ``layers.0.`` -> ``midlayer.``,
-    ``layers.{i}.`` -> ``upper_layers.{i-1}.``."""
+    ``layers.{i}.`` -> ``upper_layers.{i-1}.``, ``aux_norm_{low,mid,high}.`` -> ``fc_norm.{0,1,2}.``."""
     for prefix in _KEY_PREFIXES:
         if key.startswith(prefix):
             key = key[len(prefix) :]
             break
+    for old, new in _LEGACY_NAMES.items():
+        if key.startswith(old):
+            return new + key[len(old) :]
     return from_numbered(key)
 
 
@@ -130,9 +135,12 @@ def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     fields["target_hidden_size"] = config.get("target_hidden_size")
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         fields[flag] = bool(config.get(flag, False))
+    if fields["fc_norm"] and fields["norm_before_fc"]:
+        raise ValueError(f"The speculators config sets {NORM_PAIR}.")
+    check_tap_count(config.get("num_aux_hidden_states"), "speculators")
     taps = config.get("eagle_aux_hidden_state_layer_ids")
-    if taps is not None:
-        fields["target_layer_ids"] = [int(i) for i in taps]  # already input-of-layer ids
+    if taps is not None:  # already input-of-layer ids, as vLLM reads them
+        fields["target_layer_ids"] = three_taps(taps, "speculators eagle_aux_hidden_state_layer_ids")
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     fields["target_name_or_path"] = verifier.get("name_or_path") or None
     fields["target_architectures"] = list(verifier.get("architectures") or []) or None
@@ -149,6 +157,8 @@ def check_exportable(config: Eagle3DraftConfig, layout: str) -> None:
     elif layout == SPECULATORS:
         if config.layer_type not in SPECULATORS_LAYER_TYPES:
             problems.append(f"layer_type={config.layer_type!r} (expected one of {list(SPECULATORS_LAYER_TYPES)})")
+        if config.fc_norm and config.norm_before_fc:
+            problems.append(NORM_PAIR)
     if problems:
         name = "official/SpecForge" if layout == EAGLE else layout
         raise ValueError(f"The {name} layout cannot express this draft: " + "; ".join(problems) + ".")
@@ -241,7 +251,8 @@ def save_speculators(
     target's own input embedding) is written in its own dtype instead of the draft's copy. `target_id` names the
     verifier instead of what the draft records: a Hub id, which speculators fetches from the Hub, or a local folder
     holding the target (config.json and weights), which it loads offline (see `target_identity`). Raises
-    `ValueError` if the draft's layer type is not one speculators builds (llama, qwen3).
+    `ValueError` if the draft's layer type is not one speculators builds (llama, qwen3), or if it sets both fc_norm
+    and norm_before_fc (`NORM_PAIR`).
     """
     if include_embedding is False or (embedding is None and not draft.embedding_loaded):
         raise ValueError(
@@ -271,10 +282,11 @@ def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool =
 
     Like the official training code, the embedding is left out unless `include_embedding` (then written in the dtype
     it came in, `stored_embedding`). A consumer converting a file without it onward must supply the target's
-    embedding: `speculators convert` loads zeros in its place without a word. Raises `ValueError` for
-    a draft the layout cannot express (more than one decoder layer, norm_before_residual, norm_before_fc,
-    norm_output, a non-Llama layer) and for one whose hidden size differs from the target's without its own
-    embedding (the target's cannot stand in).
+    embedding: `speculators convert` loads zeros in its place without a word. An EAGLE-3.1 draft (``fc_norm``,
+    ``norm_output``) is written as vLLM, SGLang and SpecForge since its PR #879 read it. Raises `ValueError` for a
+    draft its readers would not all run the same (`eagle_export_problems`: more than one decoder layer,
+    norm_before_residual, norm_before_fc, a first tap other than 2, a non-Llama layer) and for one whose hidden size
+    differs from the target's without its own embedding (the target's cannot stand in).
     """
     include = resolve_include_embedding(draft, include_embedding)
     config = draft.config
