@@ -16,10 +16,25 @@ import os
 from eagle3_hf.commands import is_main_process, say
 from eagle3_hf.modeling.identity import is_hub_id
 
-__all__ = ["check_train_arguments", "resume_checkpoint"]
+__all__ = ["ARCHITECTURE_FLAGS", "check_train_arguments", "parse_layer_ids", "resume_checkpoint"]
 
 # What a finished run leaves at the top of its output folder.
 FINISHED_DRAFT_NAMES = ("model.safetensors", "adapter_model.safetensors")
+# The draft's norm flags `train` sets (`--fc-norm`, ...): None where the command line leaves them out.
+ARCHITECTURE_FLAGS = ("fc_norm", "norm_output", "norm_before_fc")
+
+
+def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
+    """`--target-layer-ids` ("2,16,29", or a list from a config file) as three integers; None where left out."""
+    if text is None:
+        return None
+    try:
+        ids = [int(i) for i in (text.split(",") if isinstance(text, str) else text)]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--target-layer-ids must be comma-separated integers, got {text!r}.") from err
+    if len(ids) != 3 or min(ids) < 0:
+        raise ValueError(f"--target-layer-ids must name three output_hidden_states ids (low,mid,high), got {text!r}.")
+    return ids
 
 
 def check_train_arguments(args: argparse.Namespace) -> None:
@@ -48,6 +63,11 @@ def check_train_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
     if args.eval_steps and args.features is not None and not args.eval_features:
         raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
+    args.target_layer_ids = parse_layer_ids(args.target_layer_ids)
+    if args.fc_norm and args.norm_before_fc:
+        from eagle3_hf.modeling.layout_fields import NORM_PAIR
+
+        raise ValueError(f"--fc-norm with --norm-before-fc trains a draft no server runs: {NORM_PAIR}; pick one.")
     if args.num_hidden_layers is not None and args.num_hidden_layers < 1:
         raise ValueError(f"--num-hidden-layers must be >= 1 (the draft's layers), got {args.num_hidden_layers}.")
     if args.dtype != "float32" and (args.bf16 or args.fp16):
