@@ -106,3 +106,84 @@ def test_init_draft_from_the_official_layout_reads_norm_output_as_told(chat_targ
     code, _, err = run(capsys, *common, "--output", tmp_path / "older", "--norm-output", "false")
     assert code == 0, err
     assert not Eagle3DraftModel.from_pretrained(tmp_path / "older").config.norm_output
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# --resume: the checkpoint's config.json is the run's
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def interrupted(chat_target, tmp_path_factory):
+    """A run continuing an EAGLE-3.1 draft (`--init-draft`) whose shape the target does not give -- two layers, its
+    own taps, a narrower MLP, another RoPE theta, a normed residual -- stopped at its checkpoint of step 2."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("interrupted")
+    folder, data = chat_target
+    init = Eagle3DraftModel.from_target(
+        AutoModelForCausalLM.from_pretrained(folder), draft_vocab_size=64, fc_norm=True, norm_output=True,
+        norm_before_residual=True, target_layer_ids=[1, 2, 3], num_hidden_layers=2, intermediate_size=48,
+        rope_parameters={"rope_type": "default", "rope_theta": 1234.0},
+    )  # fmt: skip
+    init.save_pretrained(root / "init")
+    out = root / "run"
+    code = cli_main([str(a) for a in ("train", "--target", folder, "--data", data, "--output", out, "--ttt-length", "2",
+                                      "--max-steps", "2", "--save-steps", "1", "--init-draft", root / "init")])  # fmt: skip
+    assert code == 0
+    for name in ("model.safetensors", "config.json"):  # as if it had stopped there: only the checkpoints
+        (out / name).unlink()
+    return out
+
+
+def test_resume_rebuilds_the_draft_from_the_checkpoint(chat_target, interrupted, tmp_path, capsys):
+    import shutil
+
+    folder, data = chat_target
+    checkpoint = Eagle3DraftModel.from_pretrained(interrupted / "checkpoint-2")
+    expected = checkpoint.state_dict()
+    restated = ("--init-draft", interrupted.parent / "init", "--fc-norm", "--norm-output", "--target-layer-ids",
+                "1,2,3", "--num-hidden-layers", "2", "--draft-vocab-size", "64")  # fmt: skip
+    for name, extra in (("bare", ()), ("restated", restated)):
+        out = tmp_path / name
+        shutil.copytree(interrupted, out)
+        # Resumed without --init-draft or any option that shaped the draft (or with all restated), one step more.
+        code, text, err = run(capsys, "train", "--target", folder, "--data", data, "--output", out, "--ttt-length",
+                              "2", "--max-steps", "3", "--resume", *extra)  # fmt: skip
+        assert code == 0, err
+        assert f"Resuming from {out / 'checkpoint-2'}." in text and "Target-derived init" not in text
+        resumed = Eagle3DraftModel.from_pretrained(out)
+        c = resumed.config
+        assert (c.fc_norm, c.norm_output, c.norm_before_fc, c.norm_before_residual, c.target_layer_ids,
+                c.num_hidden_layers, c.intermediate_size, c.rope_parameters["rope_theta"]) == (
+            True, True, False, True, [1, 2, 3], 2, 48, 1234.0), name  # fmt: skip
+        state = resumed.state_dict()
+        assert state.keys() == expected.keys(), name  # no fc_norm weight dropped
+        assert torch.equal(state["d2t"], expected["d2t"]) and torch.equal(state["t2d"], expected["t2d"])
+        # Trained on from the checkpoint's weights (one step of lr <= 1e-4 moves none far), not from fresh ones.
+        assert all(torch.allclose(state[k], v, atol=2e-3) for k, v in expected.items()), name
+        assert not all(torch.equal(n.weight, torch.ones_like(n.weight)) for n in resumed.fc_norm)
+
+
+@pytest.mark.parametrize(
+    "option, fragments",
+    [
+        (["--fc-norm", "false"], ["fc_norm=True, but --fc-norm is false"]),
+        (["--norm-output", "false"], ["norm_output=True, but --norm-output is false"]),
+        (["--norm-before-fc"], ["norm_before_fc=False, but --norm-before-fc is true"]),
+        (["--target-layer-ids", "2,4,5"], ["target_layer_ids=[1, 2, 3], but --target-layer-ids is 2,4,5"]),
+        (["--num-hidden-layers", "1"], ["num_hidden_layers=2, but --num-hidden-layers is 1"]),
+        (["--draft-vocab-size", "80"], ["draft_vocab_size=64, but --draft-vocab-size is 80"]),
+    ],
+)
+def test_resume_refuses_an_option_that_contradicts_the_checkpoint(chat_target, interrupted, capsys, option, fragments):
+    folder, data = chat_target
+    before = snapshot(interrupted)
+    code, _, err = run(capsys, "train", "--target", folder, "--data", data, "--output", interrupted, "--ttt-length",
+                       "2", "--max-steps", "3", "--resume", *option)  # fmt: skip
+    assert_clean_error(code, err, f"--resume: {interrupted / 'checkpoint-2'} holds a draft with", *fragments,
+                       "leave " + option[0] + " out to continue that run")  # fmt: skip
+    assert snapshot(interrupted) == before  # refused before anything loaded or was written

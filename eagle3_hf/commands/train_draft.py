@@ -1,18 +1,21 @@
-"""The draft an `eagle3-hf train` run trains: fresh, or continued (`--init-draft`).
+"""The draft an `eagle3-hf train` run trains: fresh, continued (`--init-draft`) or resumed (`--resume`).
 
 A fresh draft takes its architecture from the command line (`--num-hidden-layers`, `--target-layer-ids`, `--fc-norm`,
 `--norm-output`, `--norm-before-fc`); a continued one from the saved draft, which such an option may only restate (or,
 for `--norm-output` and `--target-layer-ids`, choose the reading of an official/SpecForge checkpoint that states them
-ambiguously).
+ambiguously); a resumed one from its checkpoint's own ``config.json``, whatever the command line leaves out, so that
+the run goes on with the draft it was training (`train_checks.resume_checkpoint` refuses an option that contradicts
+it). The checkpoint's weights and vocabulary then replace anything set here.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 from eagle3_hf.commands import say
-from eagle3_hf.commands.train_checks import ARCHITECTURE_FLAGS
+from eagle3_hf.commands.train_checks import ARCHITECTURE_FLAGS, read_checkpoint_config
 
 __all__ = ["LOW_COVERAGE", "build_draft", "fresh_draft_vocab"]
 
@@ -20,10 +23,13 @@ LOW_COVERAGE = 0.5  # a draft vocabulary covering less of the supervised tokens 
 
 
 def build_draft(args: argparse.Namespace, target: Any, vocab_rows: Any, checkpoint: str | None = None) -> Any:
-    """The draft to train on `target`: continued from `--init-draft` (remapped, grown if asked), or fresh (its
-    vocabulary counted on `vocab_rows`, target-derived init; resuming `checkpoint`, its shape only).
+    """The draft to train on `target`: resumed from `checkpoint`'s config, continued from `--init-draft` (remapped,
+    grown if asked), or fresh (its vocabulary counted on `vocab_rows`, target-derived init).
 
     `vocab_rows` is the offline features, or every tokenised conversation (`train._data`)."""
+    saved = read_checkpoint_config(checkpoint) if checkpoint is not None else {}
+    if saved:
+        return _resumed(args, target, saved)
     if args.init_draft:
         return _continued(args, target, vocab_rows)
     return _fresh(args, target, vocab_rows, resuming=checkpoint is not None)
@@ -37,6 +43,21 @@ def _architecture(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_hidden_layers is not None:
         given["num_hidden_layers"] = args.num_hidden_layers
     return given
+
+
+def _resumed(args: argparse.Namespace, target: Any, saved: dict[str, Any]) -> Any:
+    """The draft of a checkpoint's ``config.json``, for `target` (whose embedding it takes): every field it records,
+    the target's where it records none."""
+    from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
+    from eagle3_hf.modeling.checkpoints import read_training_info
+
+    config = Eagle3DraftConfig.from_dict(saved)
+    config.check_target_config(target.config)
+    fields = set(inspect.signature(Eagle3DraftConfig.__init__).parameters) - {"self", "kwargs"}
+    draft = Eagle3DraftModel.from_target(target, **{k: v for k, v in saved.items() if k in fields}).float()
+    if args.init_draft:  # its training steps count on in the card (`train.run_cli`)
+        draft.training_info = read_training_info(args.init_draft)
+    return draft
 
 
 def _continued(args: argparse.Namespace, target: Any, vocab_rows: Any) -> Any:
@@ -76,8 +97,8 @@ def _continued(args: argparse.Namespace, target: Any, vocab_rows: Any) -> Any:
 
 
 def _fresh(args: argparse.Namespace, target: Any, vocab_rows: Any, resuming: bool) -> Any:
-    """A fresh draft of the command line's architecture. When `resuming`, only its shape counts: the checkpoint's
-    weights and vocabulary replace anything set here."""
+    """A fresh draft of the command line's architecture. When `resuming` (a checkpoint without a config.json: a PEFT
+    adapter's), only its shape counts: the checkpoint's weights and vocabulary replace anything set here."""
     from eagle3_hf import Eagle3DraftModel
     from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target
 

@@ -50,7 +50,10 @@ from eagle3_hf.modeling.layouts import (
     speculators_config_kwargs,
 )
 
-__all__ = ["LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint"]
+__all__ = [
+    "LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint",
+    "read_training_info",
+]  # fmt: skip
 
 logger = hf_logging.get_logger(__name__)
 
@@ -304,7 +307,7 @@ def load_draft(
     draft.embedding_loaded = has_embedding
     if has_embedding:  # as stored: transformers cast it to the draft's dtype, which may round it
         set_embedding(draft, state_dict[EMBED_KEY])
-    draft.training_info = _read_training_info(path_or_id)
+    draft.training_info = read_training_info(path_or_id)
     draft.embed_tokens.weight.requires_grad_(False)  # frozen, like the target's; the reload made a fresh Parameter
     if device is not None:
         draft.to(device)
@@ -324,7 +327,7 @@ def _reading_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return reading
 
 
-def _read_training_info(path_or_id: str | os.PathLike) -> dict[str, Any] | None:
+def read_training_info(path_or_id: str | os.PathLike) -> dict[str, Any] | None:
     """`training_info.json` of a local draft folder (what its card shows), if it has one."""
     path = os.path.join(os.fspath(path_or_id), "training_info.json")
     if not os.path.isfile(path):
