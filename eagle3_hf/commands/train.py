@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from eagle3_hf.commands import OneLineErrors, ShowDefaults, apply_config, load_config_file, say, split_config
-from eagle3_hf.commands.train_checks import check_train_arguments, resume_checkpoint
+from eagle3_hf.commands.train_draft import build_draft
+from eagle3_hf.commands.train_checks import ARCHITECTURE_FLAGS, check_train_arguments, resume_checkpoint
 from eagle3_hf.commands.vocab import draft_vocab_size_arg
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE, Eagle3TrainingOptions
 
@@ -87,6 +88,19 @@ class TrainCommandArguments:
         metadata={"help": "three comma-separated output_hidden_states ids to tap (low,mid,high; default "
                           "2,L//2,L-3), e.g. the same id three times for a top-layer-only ablation"},
     )  # fmt: skip
+    fc_norm: bool | None = field(
+        default=None,
+        metadata={"help": "EAGLE-3.1: an RMSNorm on each target tap before fc (a fresh draft; with --init-draft or "
+                          "--resume it may only restate the draft's)"},
+    )  # fmt: skip
+    norm_output: bool | None = field(
+        default=None,
+        metadata={"help": "EAGLE-3.1: feed the post-norm state to the next drafting step, in TTT and decoding (with "
+                          "--init-draft: also how an official/SpecForge checkpoint's norm_output: true is read)"},
+    )  # fmt: skip
+    norm_before_fc: bool | None = field(
+        default=None, metadata={"help": "one RMSNorm over the concatenated taps before fc (gpt-oss-style drafts)"}
+    )
     target_id: str | None = field(
         default=None, metadata={"help": "the target's Hub id org/name, recorded in the draft and its model card "
                                         "(known without it for short names and Hub ids)"},
@@ -106,7 +120,6 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 0.5, "weight_decay": 0.0, "per_device_train_batch_size": 1, "save_steps": 500,
     "save_total_limit": 2, "logging_steps": 10, "seed": 0, "report_to": "none", "per_device_eval_batch_size": 1,
 }  # fmt: skip
-LOW_COVERAGE = 0.5  # a draft vocabulary covering less of the supervised tokens gets a warning
 # Older flag names -> the TrainingArguments field they set.
 ALIASES = {"--output": "output_dir", "--batch-size": "per_device_train_batch_size", "--warmup-ratio": "warmup_steps"}
 _ALIAS_TYPES = {"output_dir": str, "per_device_train_batch_size": int, "warmup_steps": float}
@@ -175,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="JSON/YAML file of option values (flags given here win)")
     parser.set_defaults(**TRAIN_DEFAULTS)
     _action(parser, "draft_vocab_size").type = draft_vocab_size_arg  # a size, or "auto" (chosen by coverage)
+    for flag in ARCHITECTURE_FLAGS:  # `--fc-norm` alone says true; left out, None: the draft's own, when it has one
+        _action(parser, flag).nargs, _action(parser, flag).const = "?", True
     return parser
 
 
@@ -198,15 +213,6 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------------------------------------
 # running
-
-
-def _layer_ids(text: str | list[int] | None) -> dict[str, list[int]]:
-    if text is None:
-        return {}
-    try:
-        return {"target_layer_ids": [int(i) for i in (text.split(",") if isinstance(text, str) else text)]}
-    except ValueError as err:
-        raise ValueError(f"--target-layer-ids must be comma-separated integers, got {text!r}.") from err
 
 
 def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
@@ -237,43 +243,6 @@ def _save_final(trainer: Any, output_dir: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fresh_draft_vocab(args: argparse.Namespace, dataset: Any, target_vocab_size: int) -> Any:
-    """The vocabulary of a fresh draft: `--vocab`, or counted on the training data; None for the whole vocabulary."""
-    from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab, select_draft_vocab
-
-    if args.vocab:
-        vocab = load_draft_vocab(args.vocab)
-        if args.draft_vocab_size not in (None, vocab.draft_vocab_size):
-            raise ValueError(
-                f"--vocab {args.vocab} holds {vocab.draft_vocab_size} ids but --draft-vocab-size is "
-                f"{args.draft_vocab_size}; give one of them."
-            )
-        return vocab
-    if args.draft_vocab_size is None or args.draft_vocab_size == target_vocab_size:
-        return None
-    if isinstance(dataset, OfflineFeatureDataset):
-        if args.draft_vocab_size == "auto":
-            raise ValueError(
-                "--draft-vocab-size auto measures coverage on held-out conversations, which offline features do not "
-                "hold: run `eagle3-hf vocab --draft-vocab-size auto` on the conversations and pass --vocab FILE."
-            )
-        vocab = build_draft_vocab(dataset.token_rows(), target_vocab_size, args.draft_vocab_size)
-    else:
-        choice = select_draft_vocab(
-            dataset, target_vocab_size, args.draft_vocab_size, args.min_coverage, args.held_out_fraction
-        )
-        say(choice.table())
-        vocab = choice.vocab
-    say(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
-        f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens.")  # fmt: skip
-    if vocab.coverage < LOW_COVERAGE:  # most target tokens would be out of the draft's reach: likely a typo
-        say(f"Warning: --draft-vocab-size {vocab.draft_vocab_size} covers under {LOW_COVERAGE:.0%} of the supervised "
-            "tokens, so the draft can propose few of the target's tokens; --draft-vocab-size auto picks one by "
-            "coverage.")  # fmt: skip
-    return vocab
-
-
 def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[Any, Any, Any]:
     """(training set, evaluation set or None, rows the vocabulary is chosen on): offline features, or the
     conversations less the held-out ones. The vocabulary rows are every conversation: `select_draft_vocab` counts the
@@ -298,50 +267,6 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
     return dataset, held_out if evaluate else None, everything
 
 
-def _draft(args: argparse.Namespace, target: Any, vocab_rows: Any, overrides: dict[str, Any], resuming: bool) -> Any:
-    """A fresh draft for `target` (its vocabulary, target-derived init), or `--init-draft` (remapped, grown if asked).
-
-    `vocab_rows` is the offline features, or every tokenised conversation (see `_data`). When `resuming`, a fresh
-    draft only takes the checkpoint's shape: the checkpoint's weights and vocabulary replace anything set here."""
-    import torch
-
-    from eagle3_hf import Eagle3DraftModel
-    from eagle3_hf.modeling.depth import grow_draft_layers
-    from eagle3_hf.modeling.target_init import init_head_from_target, init_layer_from_target, remap_draft_vocab
-
-    vocab_size = target.config.get_text_config().vocab_size
-    if args.init_draft:
-        draft = Eagle3DraftModel.from_pretrained(args.init_draft, target=target, dtype=torch.float32)
-        if args.vocab or args.draft_vocab_size not in (None, draft.config.draft_vocab_size):
-            vocab = _fresh_draft_vocab(args, vocab_rows, vocab_size)
-            d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
-                torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
-            shared = remap_draft_vocab(draft, d2t, t2d)
-            say(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
-        depth, own = args.num_hidden_layers, draft.config.num_hidden_layers
-        if depth is not None and depth < own:
-            raise ValueError(f"--num-hidden-layers {depth} is below the depth of --init-draft {args.init_draft} "
-                             f"({own} decoder layers): a draft can grow, never shrink.")  # fmt: skip
-        if depth is not None and depth > own:
-            draft = grow_draft_layers(draft, depth)
-            say(f"Grew the draft from {own} to {depth} decoder layers (the new ones start as the identity).")
-        return draft
-    vocab = None if resuming else _fresh_draft_vocab(args, vocab_rows, vocab_size)
-    size = args.draft_vocab_size if resuming else vocab.draft_vocab_size if vocab is not None else None
-    if args.num_hidden_layers is not None:
-        overrides = {**overrides, "num_hidden_layers": args.num_hidden_layers}
-    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=size, **overrides).float()
-    if resuming:
-        return draft
-    if vocab is not None:
-        draft.set_draft_vocab(vocab.d2t, vocab.t2d)  # before the head copy: it picks the rows by these ids
-    if args.init_from_target:
-        say(f"Target-derived init: {', '.join(init_head_from_target(draft, target)) or 'nothing'} copied.")
-    if args.init_layer_from_target:
-        say(f"Target-derived init: {', '.join(init_layer_from_target(draft, target)) or 'nothing'} copied.")
-    return draft
-
-
 def run_cli(args: argparse.Namespace) -> int:
     check_train_arguments(args)
     checkpoint = args.resume_from_checkpoint
@@ -360,7 +285,6 @@ def run_cli(args: argparse.Namespace) -> int:
     if warning := emulated_bf16_warning(args.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
         say(f"Warning: {warning}")
     offline = args.features is not None
-    overrides = _layer_ids(args.target_layer_ids)
     training_args = _training_arguments(args, offline)
     resolve_target(args.target)
     set_seed(training_args.seed)
@@ -372,7 +296,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          shard=fsdp and init_distributed_from_launcher()[1] > 1)  # fmt: skip
     if args.target_id:
         target.config._name_or_path = args.target_id
-    draft = _draft(args, target, vocab_rows, overrides, resuming=checkpoint is not None)
+    draft = build_draft(args, target, vocab_rows, checkpoint)
     sources = args.features if offline else args.data
     before = (draft.training_info or {}).get("steps") or 0 if args.init_draft else 0
     draft.training_info = {  # what the draft's model card says about its training

@@ -2,8 +2,9 @@
 
 A mistake in an option costs a second here, not the minute of loading the target and the data, and it fails before
 `--overwrite-output-dir` removes a checkpoint. `--resume` never trains afresh over a finished draft, skips a
-checkpoint whose writing was interrupted (naming it) for the newest complete one, and refuses a draft shape that
-the checkpoint's weights cannot fill.
+checkpoint whose writing was interrupted (naming it) for the newest complete one, and continues the draft the
+checkpoint holds: its architecture comes from the checkpoint's config.json (`train_draft`), and an option that
+contradicts it is refused, naming both values.
 """
 
 from __future__ import annotations
@@ -16,10 +17,34 @@ import os
 from eagle3_hf.commands import is_main_process, say
 from eagle3_hf.modeling.identity import is_hub_id
 
-__all__ = ["check_train_arguments", "resume_checkpoint"]
+__all__ = [
+    "ARCHITECTURE_FLAGS", "SHAPE_OPTIONS", "check_train_arguments", "parse_layer_ids", "read_checkpoint_config",
+    "resume_checkpoint",
+]  # fmt: skip
 
 # What a finished run leaves at the top of its output folder.
 FINISHED_DRAFT_NAMES = ("model.safetensors", "adapter_model.safetensors")
+# The draft's norm flags `train` sets (`--fc-norm`, ...): None where the command line leaves them out.
+ARCHITECTURE_FLAGS = ("fc_norm", "norm_output", "norm_before_fc")
+# The options that shape the draft, by the config.json field each sets: `--resume` takes the checkpoint's, and refuses
+# one given otherwise.
+SHAPE_OPTIONS = {
+    "draft_vocab_size": "--draft-vocab-size", "num_hidden_layers": "--num-hidden-layers",
+    "target_layer_ids": "--target-layer-ids", **{flag: "--" + flag.replace("_", "-") for flag in ARCHITECTURE_FLAGS},
+}  # fmt: skip
+
+
+def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
+    """`--target-layer-ids` ("2,16,29", or a list from a config file) as three integers; None where left out."""
+    if text is None:
+        return None
+    try:
+        ids = [int(i) for i in (text.split(",") if isinstance(text, str) else text)]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--target-layer-ids must be comma-separated integers, got {text!r}.") from err
+    if len(ids) != 3 or min(ids) < 0:
+        raise ValueError(f"--target-layer-ids must name three output_hidden_states ids (low,mid,high), got {text!r}.")
+    return ids
 
 
 def check_train_arguments(args: argparse.Namespace) -> None:
@@ -48,6 +73,11 @@ def check_train_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
     if args.eval_steps and args.features is not None and not args.eval_features:
         raise ValueError("--eval-steps with --features needs --eval-features (features of held-out conversations).")
+    args.target_layer_ids = parse_layer_ids(args.target_layer_ids)
+    if args.fc_norm and args.norm_before_fc:
+        from eagle3_hf.modeling.layout_fields import NORM_PAIR
+
+        raise ValueError(f"--fc-norm with --norm-before-fc trains a draft no server runs: {NORM_PAIR}; pick one.")
     if args.num_hidden_layers is not None and args.num_hidden_layers < 1:
         raise ValueError(f"--num-hidden-layers must be >= 1 (the draft's layers), got {args.num_hidden_layers}.")
     if args.dtype != "float32" and (args.bf16 or args.fp16):
@@ -61,7 +91,8 @@ def check_train_arguments(args: argparse.Namespace) -> None:
 
 def resume_checkpoint(args: argparse.Namespace) -> str | None:
     """The checkpoint `--resume` continues from (None: nothing to resume, start afresh), with the draft's shape
-    options taken from it when they were left out; `ValueError` where resuming would lose work or cannot work."""
+    options (`SHAPE_OPTIONS`) taken from its config.json when they were left out; `ValueError` where one contradicts
+    it (naming both values), or where resuming would lose work or cannot work."""
     from eagle3_hf.training.checkpointing import find_resume_checkpoint, set_aside
 
     output_dir = args.output_dir
@@ -79,21 +110,29 @@ def resume_checkpoint(args: argparse.Namespace) -> str | None:
             )
         say(f"No checkpoint in {output_dir}: starting afresh.")
         return None
-    config = _read_config(checkpoint)
-    for option, key in (("--draft-vocab-size", "draft_vocab_size"), ("--num-hidden-layers", "num_hidden_layers")):
+    config = read_checkpoint_config(checkpoint)
+    for key, option in SHAPE_OPTIONS.items():
         given, saved = getattr(args, key), config.get(key)
         if saved is None:
             continue
-        if isinstance(given, int) and given != saved:
-            raise ValueError(f"--resume: {checkpoint} holds a draft with {key}={saved}, but {option} is {given}; "
-                             f"leave {option} out to continue that run, or train a new one in another "
-                             "--output-dir.")  # fmt: skip
+        if given not in (None, "auto") and given != saved:
+            raise ValueError(f"--resume: {checkpoint} holds a draft with {key}={saved}, but {option} is "
+                             f"{_as_given(given)}; leave {option} out to continue that run (its config.json is the "
+                             "run's), or train a new one in another --output-dir.")  # fmt: skip
         setattr(args, key, saved)  # left out (or "auto"): the checkpoint's own
     say(f"Resuming from {checkpoint}.")
     return checkpoint
 
 
-def _read_config(checkpoint: str) -> dict:
+def _as_given(value: object) -> str:
+    """An option's value as the command line spells it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def read_checkpoint_config(checkpoint: str) -> dict:
+    """A training checkpoint's ``config.json`` (the draft it holds); empty for a PEFT adapter's, which has none."""
     path = os.path.join(checkpoint, "config.json")
     try:
         with open(path, encoding="utf-8") as f:

@@ -1,4 +1,5 @@
-"""Load EAGLE-3 draft checkpoints in any known layout (writing them is `eagle3_hf.modeling.layouts`).
+"""Load EAGLE-3 draft checkpoints in any known layout (reading their files is `eagle3_hf.modeling.checkpoint_files`,
+writing them `eagle3_hf.modeling.layouts`).
 
 `Eagle3DraftModel.from_pretrained` lands in `load_draft`, which detects the layout (native, official/SpecForge,
 speculators), maps keys and config to ours and loads strictly: a missing, unexpected or misshapen weight, an invalid
@@ -13,15 +14,19 @@ import difflib
 import inspect
 import json
 import os
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from eagle3_hf.modeling.checkpoint_files import (  # noqa: F401  (open_safetensors, read_weights: re-exported)
+    HUB_KWARGS,
+    open_safetensors,
+    read_checkpoint,
+    read_weights,
+)
 from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
 from eagle3_hf.modeling.embedding import (  # noqa: F401  (embeddings_match, whole_tensor: re-exported)
     embedding_mismatch,
@@ -33,136 +38,50 @@ from eagle3_hf.modeling.embedding import (  # noqa: F401  (embeddings_match, who
     whole_tensor,
 )
 from eagle3_hf.modeling.layer_keys import check_layers_present
+from eagle3_hf.modeling.layout_fields import choose_reading, three_taps
 from eagle3_hf.modeling.layouts import (
-    CONFIG_NAME,
+    EAGLE,
     EMBED_KEY,
     LAYOUTS,
     NATIVE,
     SPECULATORS,
     detect_layout,
     eagle_config_kwargs,
-    normalize_key,
     speculators_config_kwargs,
 )
-from eagle3_hf.modeling.shipped import shipped_draft_folder, unknown_draft_hint
 
-__all__ = ["LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint"]
+__all__ = [
+    "LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint",
+    "read_training_info",
+]  # fmt: skip
 
 logger = hf_logging.get_logger(__name__)
 
-# Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
-WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-)  # fmt: skip
-_HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_only", "subfolder", "proxies")
-
 
 # ------------------------------------------------------------------------------------------------
-# reading files
+# config
 
 
-def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -> str:
-    """A local folder holding the checkpoint: `path_or_id` itself, a shipped draft's, or a Hub snapshot of it."""
-    path = os.fspath(path_or_id)
-    subfolder = hub_kwargs.pop("subfolder", None) or ""
-    if os.path.isdir(path):  # a folder of that name wins over a shipped draft, as a local folder wins over the Hub
-        return os.path.join(path, subfolder)
-    if os.path.exists(path):
-        raise ValueError(f"Expected a checkpoint folder or a Hub repo id, got the file {path!r}.")
-    shipped = shipped_draft_folder(path)
-    if shipped is not None:
-        return os.path.join(shipped, subfolder)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    patterns = [os.path.join(subfolder, p) if subfolder else p for p in ("*.json", "*.safetensors", "*.bin")]
-    try:
-        root = snapshot_download(repo_id=path, allow_patterns=patterns, **hub_kwargs)
-    except (OSError, HFValidationError) as err:
-        raise ValueError(f"{path!r} is neither a local checkpoint folder, a draft shipped with eagle3_hf "
-                         f"({unknown_draft_hint(path)}), nor a Hub repo that could be fetched: {err}") from err
-    return os.path.join(root, subfolder)
+# What a caller may choose the reading of (`load_draft`): fields that the official/SpecForge layout states in ways its
+# readers took differently. A checkpoint that states one unambiguously must agree with the choice.
+READING_OPTIONS = ("norm_output", "target_layer_ids")
 
 
-@contextlib.contextmanager
-def open_safetensors(path: str) -> Iterator[Any]:
-    """`safetensors.safe_open(path, "pt")`; a file that is not one (truncated, corrupt, random bytes) is named in a
-    `ValueError` rather than a `SafetensorError` that names no file."""
-    try:
-        handle = safe_open(path, framework="pt")
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"Could not read {path!r}: it is not a safetensors file, or it is truncated or corrupt "
-                         f"({err}).") from err  # fmt: skip
-    with handle as f:
-        yield f
-
-
-def _read_file(path: str) -> dict[str, torch.Tensor]:
-    try:
-        if path.endswith(".safetensors"):
-            with safe_open(path, framework="pt") as f:
-                return {k: f.get_tensor(k) for k in f.keys()}
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
-        raise ValueError(f"Could not read the weights file {path!r}; it is truncated or corrupt: {err}") from err
-
-
-def read_weights(folder: str) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder (single file or sharded index), with their stored names."""
-    name = next((n for n in WEIGHT_FILES if os.path.isfile(os.path.join(folder, n))), None)
-    if name is None:
-        found = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-        raise ValueError(f"No weights in {folder!r}: expected one of {list(WEIGHT_FILES)}, found {found}.")
-    path = os.path.join(folder, name)
-    if not name.endswith(".index.json"):
-        return _read_file(path)
-    with open(path, encoding="utf-8") as f:
-        weight_map = json.load(f).get("weight_map") or {}
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        shard_path = os.path.join(folder, shard)
-        if not os.path.isfile(shard_path):
-            raise ValueError(f"{path!r} lists the shard {shard!r}, which is not in {folder!r}.")
-        content = _read_file(shard_path)
-        tensors.update({k: v for k, v in content.items() if weight_map.get(k) == shard})
-    return tensors
-
-
-def read_checkpoint(
-    path_or_id: str | os.PathLike, **hub_kwargs: Any
-) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-    """``(layout, config.json dict, state dict under our key names)`` of a draft checkpoint, files only."""
-    folder = _resolve_folder(path_or_id, dict(hub_kwargs))
-    config_path = os.path.join(folder, CONFIG_NAME)
-    if not os.path.isfile(config_path):
-        raise ValueError(f"No {CONFIG_NAME} in the checkpoint folder {folder!r}.")
-    with open(config_path, encoding="utf-8") as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{config_path!r} is not valid JSON: {err}") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path!r} must hold a JSON object, got {type(config).__name__}.")
-    raw = read_weights(folder)
-    layout = detect_layout(config, raw.keys())
-    state_dict: dict[str, torch.Tensor] = {}
-    for key, tensor in raw.items():
-        name = normalize_key(key)
-        if name in state_dict:
-            raise ValueError(f"{os.fspath(path_or_id)!r} holds two weights that both map to {name!r}.")
-        state_dict[name] = tensor
-    return layout, config, state_dict
-
-
-def draft_config_from(layout: str, config: dict[str, Any], keys: Any, source: str) -> Eagle3DraftConfig:
-    """Our config for a checkpoint of `layout` (RoPE always from the checkpoint itself, never from a target)."""
+def draft_config_from(
+    layout: str, config: dict[str, Any], keys: Any, source: str, reading: dict[str, Any] | None = None
+) -> Eagle3DraftConfig:
+    """Our config for a checkpoint of `layout` (RoPE always from the checkpoint itself, never from a target);
+    `reading`: the caller's choice among the readings of an ambiguous field (see `READING_OPTIONS`)."""
     try:
         if layout == NATIVE:
             _check_native_keys(config, source)
             draft_config = Eagle3DraftConfig.from_dict(config)
             draft_config.layer_config()  # the layers' own checks (head sizes), while the file can still be named
             return draft_config
-        fields = speculators_config_kwargs(config) if layout == SPECULATORS else eagle_config_kwargs(config, keys)
+        if layout == SPECULATORS:
+            fields = speculators_config_kwargs(config)
+        else:
+            fields = eagle_config_kwargs(config, keys, reading)
         draft_config = Eagle3DraftConfig(**{k: v for k, v in fields.items() if v is not None})
         # Name a depth the weights do not hold in layers (not as a list of missing or unexpected weights).
         check_layers_present(draft_config.num_hidden_layers, keys, f"{layout} layout")
@@ -331,17 +250,22 @@ def load_draft(
         use_target_embedding (`bool`): replace an embedding stored in the checkpoint by the target's; without it, a
             stored embedding that is not bit for bit the target's raises `ValueError` (one stored in a narrower dtype
             must be the target's rounded to it, and is then replaced by the target's own; see `embedding_mismatch`).
+        norm_output (`bool`), target_layer_ids (`list[int]`): the reading of a field that an official/SpecForge
+            checkpoint states in a way its readers took differently (``norm_output: true`` was EAGLE-3 to SpecForge
+            before its PR #879; tap ids whose first is not 1), which otherwise loads as today's vLLM and SGLang read
+            it, with a warning; in any layout, a value the checkpoint does not state raises `ValueError`.
         dtype / torch_dtype, device, device_map, attn_implementation, ...: as for `PreTrainedModel.from_pretrained`;
             `dtype` defaults to the target's, else to the checkpoint's ("auto": its own weights' dtype). The embedding
             is never rounded: a narrower `dtype` keeps it in its source's precision (`set_embedding`).
     """
     use_target_embedding = bool(kwargs.pop("use_target_embedding", False))
-    hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
     dtype = kwargs.pop("dtype", None)
     torch_dtype = kwargs.pop("torch_dtype", None)
     dtype = dtype if dtype is not None else torch_dtype
     device = kwargs.pop("device", None)
     config_override = kwargs.pop("config", None)
+    reading = _reading_options(kwargs)
     source = repr(os.fspath(path_or_id))
     if use_target_embedding and target is None:
         raise ValueError("use_target_embedding=True needs the target: pass target=... as well.")
@@ -352,13 +276,16 @@ def load_draft(
     elif config_override is not None:
         raise ValueError(f"config must be an Eagle3DraftConfig, got {type(config_override).__name__}.")
     else:
-        config = draft_config_from(layout, raw_config, state_dict.keys(), f"{source} ({layout} layout)")
+        config = draft_config_from(layout, raw_config, state_dict.keys(), f"{source} ({layout} layout)", reading)
     if target is not None:
         _check_target(config, target)
         reference = target.get_input_embeddings().weight
         dtype = reference.dtype if dtype is None else dtype
         if device is None and kwargs.get("device_map") is None:
             device = reference.device
+    if layout != EAGLE or config_override is not None:  # the others state these fields one way only
+        for name, given in reading.items():
+            choose_reading(name, [(getattr(config, name), "as it states")], given, f"the {layout} checkpoint {source}")
     _prepare_vocab(state_dict, config, source)
     _check_state_dict(cls, config, state_dict, f"{source} ({layout} layout)")
     has_embedding = EMBED_KEY in state_dict
@@ -380,7 +307,7 @@ def load_draft(
     draft.embedding_loaded = has_embedding
     if has_embedding:  # as stored: transformers cast it to the draft's dtype, which may round it
         set_embedding(draft, state_dict[EMBED_KEY])
-    draft.training_info = _read_training_info(path_or_id)
+    draft.training_info = read_training_info(path_or_id)
     draft.embed_tokens.weight.requires_grad_(False)  # frozen, like the target's; the reload made a fresh Parameter
     if device is not None:
         draft.to(device)
@@ -390,7 +317,17 @@ def load_draft(
     return draft
 
 
-def _read_training_info(path_or_id: str | os.PathLike) -> dict[str, Any] | None:
+def _reading_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the `READING_OPTIONS` given (not None) from `kwargs`, checked."""
+    reading = {name: value for name in READING_OPTIONS if (value := kwargs.pop(name, None)) is not None}
+    if not isinstance(reading.get("norm_output", False), bool):
+        raise ValueError(f"norm_output must be True or False, got {reading['norm_output']!r}.")
+    if "target_layer_ids" in reading:
+        reading["target_layer_ids"] = three_taps(reading["target_layer_ids"], "target_layer_ids passed")
+    return reading
+
+
+def read_training_info(path_or_id: str | os.PathLike) -> dict[str, Any] | None:
     """`training_info.json` of a local draft folder (what its card shows), if it has one."""
     path = os.path.join(os.fspath(path_or_id), "training_info.json")
     if not os.path.isfile(path):

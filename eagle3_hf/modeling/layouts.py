@@ -10,8 +10,10 @@ Three checkpoint layouts exist in the wild (details in the design notes, referen
   flags, tap ids in our (input-of-layer) convention, weights under ``layers.{i}.*`` for its
   ``transformer_layer_config.num_hidden_layers`` layers (``layers.0`` is our ``midlayer``, see `layer_keys`).
 
-This module maps dictionaries and writes the external layouts (`save_speculators`, `save_eagle`); reading files and
-loading a draft from any layout lives in `eagle3_hf.modeling.checkpoints`.
+This module detects the layout, maps key names and the speculators config, and writes the external layouts
+(`save_speculators`, `save_eagle`); the official/SpecForge config is read and written by
+`eagle3_hf.modeling.eagle_layout`, the fields both share by `eagle3_hf.modeling.layout_fields`. Reading files and
+loading a draft from any layout live in `eagle3_hf.modeling.checkpoint_files` and `eagle3_hf.modeling.checkpoints`.
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.modeling.eagle_layout import (  # noqa: F401  (eagle_config_kwargs: re-exported)
+    EAGLE_ARCHITECTURES,
+    eagle_config_dict,
+    eagle_config_kwargs,
+    eagle_export_problems,
+)
 from eagle3_hf.modeling.embedding import resolve_include_embedding, stored_embedding
 from eagle3_hf.modeling.identity import is_hub_id, target_identity  # noqa: F401  (is_hub_id: re-exported)
 from eagle3_hf.modeling.layer_keys import from_numbered, to_numbered
+from eagle3_hf.modeling.layout_fields import NORM_PAIR, check_tap_count, common_fields, layer_fields, three_taps
 
 NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
 LAYOUTS = (NATIVE, SPECULATORS, EAGLE)
-EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Layer families speculators can build (transformer_layer_config.model_type).
 SPECULATORS_LAYER_TYPES = ("llama", "qwen3")
 _SPECULATORS_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -42,18 +50,22 @@ _SPECULATORS_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCaus
 SPECULATORS_VERSION = "0.7.0"
 # Prefixes some exports put in front of every key (a wrapper module's attribute name).
 _KEY_PREFIXES = ("draft_model.", "model.")
-_DEFAULT_ROPE_THETA = 10000.0
+# SpecForge's and SGLang's older names of the per-tap norms (with `use_aux_norm`, their older name of `fc_norm`).
+_LEGACY_NAMES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
 CONFIG_NAME = "config.json"
 EMBED_KEY = "embed_tokens.weight"
 
 
 def normalize_key(key: str) -> str:
     """Map an external weight name to our state-dict name: strip wrapper prefixes, ``layers.0.`` -> ``midlayer.``,
-    ``layers.{i}.`` -> ``upper_layers.{i-1}.``."""
+    ``layers.{i}.`` -> ``upper_layers.{i-1}.``, ``aux_norm_{low,mid,high}.`` -> ``fc_norm.{0,1,2}.``."""
     for prefix in _KEY_PREFIXES:
         if key.startswith(prefix):
             key = key[len(prefix) :]
             break
+    for old, new in _LEGACY_NAMES.items():
+        if key.startswith(old):
+            return new + key[len(old) :]
     return from_numbered(key)
 
 
@@ -102,81 +114,6 @@ def detect_layout(config: dict[str, Any], keys: Iterable[str]) -> str:
     )
 
 
-def _required(config: dict[str, Any], names: Iterable[str], where: str) -> None:
-    missing = [n for n in names if config.get(n) is None]
-    if missing:
-        raise ValueError(f"The {where} config lacks required field(s) {missing}.")
-
-
-def rope_parameters_from(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE parameters from a flat HF config: v5 ``rope_parameters``, else ``rope_theta``/``rope_scaling``.
-
-    The default θ is 10000, what the official inference code uses when the draft config has none (never the
-    target's θ: the official training code ignored it too, reference §1 and §6.3).
-    """
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params and "full_attention" not in params:
-        params = dict(params)
-    else:
-        scaling = config.get("rope_scaling") or {}
-        if not isinstance(scaling, dict):
-            raise ValueError(f"rope_scaling must be a mapping or null, got {scaling!r}.")
-        params = {k: v for k, v in scaling.items() if k != "type"}
-        params["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-    if params.get("rope_theta") is None:
-        theta = config.get("rope_theta")
-        params["rope_theta"] = float(theta) if theta is not None else _DEFAULT_ROPE_THETA
-    params.setdefault("rope_type", "default")
-    return params
-
-
-def _layer_fields(config: dict[str, Any], where: str, deep: bool = False) -> dict[str, Any]:
-    """The layers' shape from a flat Llama/Qwen3-style config; `deep`: the layout may hold more than one layer."""
-    _required(config, ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"), where)
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    depth = config.get("num_hidden_layers", 1)
-    if deep and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
-        raise ValueError(f"The {where} config has num_hidden_layers={depth!r}; expected an integer >= 1.")
-    if not deep and depth != 1:
-        raise ValueError(f"The {where} config has num_hidden_layers={depth}; drafts in this layout have exactly 1 "
-                         "decoder layer.")  # fmt: skip
-    return {
-        "num_hidden_layers": depth,
-        "vocab_size": int(config["vocab_size"]),
-        "hidden_size": hidden,
-        "intermediate_size": int(config["intermediate_size"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(config.get("num_key_value_heads") or heads),
-        # The official code ignores head_dim (uses H/nh); SpecForge and speculators honour it.
-        "head_dim": int(config.get("head_dim") or hidden // heads),
-        "hidden_act": config.get("hidden_act", "silu"),
-        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_parameters": rope_parameters_from(config),
-        "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
-        "pad_token_id": config.get("pad_token_id"),
-        "bos_token_id": config.get("bos_token_id"),
-        "eos_token_id": config.get("eos_token_id"),
-    }
-
-
-def eagle_config_kwargs(config: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
-    """`Eagle3DraftConfig` arguments for an official SafeAILab / SpecForge checkpoint (keys already normalised)."""
-    keys = set(keys)
-    fields = _layer_fields(config, "official/SpecForge draft")
-    fields["draft_vocab_size"] = config.get("draft_vocab_size") or config.get("truncated_vocab_size")
-    fields["target_hidden_size"] = config.get("target_hidden_size")
-    # Biases: the official model has none whatever the config says; trust what was saved.
-    fields["attention_bias"] = "midlayer.self_attn.q_proj.bias" in keys
-    fields["mlp_bias"] = "midlayer.mlp.gate_proj.bias" in keys
-    fields["fc_norm"] = bool(config.get("fc_norm", any(k.startswith("fc_norm.") for k in keys)))
-    # SpecForge's `norm_output` only means "norm before lm_head" (always done): not our flag.
-    taps = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if taps is not None:
-        fields["target_layer_ids"] = [int(i) + 1 for i in taps]  # output-of-layer -> input-of-layer ids
-    fields["layer_type"] = "llama"
-    return fields
-
-
 def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """`Eagle3DraftConfig` arguments for a speculators ``eagle3`` checkpoint."""
     layer = config.get("transformer_layer_config")
@@ -190,7 +127,7 @@ def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
             f"transformer_layer_config.model_type={layer_type!r} is not supported; expected one of "
             f"{list(SPECULATORS_LAYER_TYPES)}."
         )
-    fields = _layer_fields(layer, "speculators transformer_layer_config", deep=True)
+    fields = layer_fields(layer, "speculators transformer_layer_config", deep=True)
     fields["layer_type"] = layer_type
     fields["attention_bias"] = bool(layer.get("attention_bias", False))
     fields["mlp_bias"] = bool(layer.get("mlp_bias", False))
@@ -198,24 +135,16 @@ def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     fields["target_hidden_size"] = config.get("target_hidden_size")
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         fields[flag] = bool(config.get(flag, False))
+    if fields["fc_norm"] and fields["norm_before_fc"]:
+        raise ValueError(f"The speculators config sets {NORM_PAIR}.")
+    check_tap_count(config.get("num_aux_hidden_states"), "speculators")
     taps = config.get("eagle_aux_hidden_state_layer_ids")
-    if taps is not None:
-        fields["target_layer_ids"] = [int(i) for i in taps]  # already input-of-layer ids
+    if taps is not None:  # already input-of-layer ids, as vLLM reads them
+        fields["target_layer_ids"] = three_taps(taps, "speculators eagle_aux_hidden_state_layer_ids")
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     fields["target_name_or_path"] = verifier.get("name_or_path") or None
     fields["target_architectures"] = list(verifier.get("architectures") or []) or None
     return fields
-
-
-def _rope_legacy(rope: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) in the flat pre-v5 form that the official and speculators readers expect."""
-    theta = float(rope["rope_theta"])
-    rope_type = rope.get("rope_type", "default")
-    if rope_type == "default":
-        return theta, None
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    scaling["type"] = rope_type  # the official cnets.py reads rope_scaling["type"]
-    return theta, scaling
 
 
 def check_exportable(config: Eagle3DraftConfig, layout: str) -> None:
@@ -224,62 +153,15 @@ def check_exportable(config: Eagle3DraftConfig, layout: str) -> None:
     if config.layer_config_overrides:
         problems.append(f"layer_config_overrides={config.layer_config_overrides}")
     if layout == EAGLE:
-        if config.num_hidden_layers != 1:
-            problems.append(f"num_hidden_layers={config.num_hidden_layers} (it holds one decoder layer; save a deeper "
-                            "draft in the native or speculators layout)")  # fmt: skip
-        if config.layer_type != "llama":
-            problems.append(f"layer_type={config.layer_type!r} (the layout builds a Llama layer)")
-        for flag in ("norm_before_residual", "norm_before_fc", "norm_output"):
-            if getattr(config, flag):
-                problems.append(f"{flag}=True")
+        problems += eagle_export_problems(config)
     elif layout == SPECULATORS:
         if config.layer_type not in SPECULATORS_LAYER_TYPES:
             problems.append(f"layer_type={config.layer_type!r} (expected one of {list(SPECULATORS_LAYER_TYPES)})")
+        if config.fc_norm and config.norm_before_fc:
+            problems.append(NORM_PAIR)
     if problems:
         name = "official/SpecForge" if layout == EAGLE else layout
         raise ValueError(f"The {name} layout cannot express this draft: " + "; ".join(problems) + ".")
-
-
-def _common_fields(config: Eagle3DraftConfig, dtype_name: str) -> dict[str, Any]:
-    theta, scaling = _rope_legacy(config.rope_parameters)
-    return {
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "num_hidden_layers": config.num_hidden_layers,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "max_position_embeddings": config.max_position_embeddings,
-        "attention_bias": config.attention_bias,
-        "vocab_size": config.vocab_size,
-        "pad_token_id": config.pad_token_id,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "tie_word_embeddings": False,
-        "torch_dtype": dtype_name,
-    }
-
-
-def eagle_config_dict(config: Eagle3DraftConfig, dtype_name: str, include_embedding: bool) -> dict[str, Any]:
-    """The ``config.json`` of the official/SpecForge layout (``LlamaForCausalLMEagle3``)."""
-    check_exportable(config, EAGLE)
-    out = {"architectures": [EAGLE_ARCHITECTURES[0]], "model_type": "llama", **_common_fields(config, dtype_name)}
-    out["mlp_bias"] = config.mlp_bias
-    out["draft_vocab_size"] = config.draft_vocab_size
-    # The official loader reads the presence of target_hidden_size as "the embedding is in this checkpoint" and
-    # otherwise copies the target's: write it only when that holds.
-    if include_embedding or config.target_hidden_size != config.hidden_size:
-        out["target_hidden_size"] = config.target_hidden_size
-    if config.fc_norm:
-        out["fc_norm"] = True
-    if config.target_layer_ids is not None:
-        # SpecForge convention: output-of-layer ids, ours minus one.
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.target_layer_ids]}
-    return out
 
 
 def speculators_config_dict(
@@ -291,7 +173,7 @@ def speculators_config_dict(
     layer = {
         "architectures": [_SPECULATORS_ARCHITECTURE[config.layer_type]],
         "model_type": config.layer_type,
-        **_common_fields(config, dtype_name),
+        **common_fields(config, dtype_name),
     }
     if config.layer_type == "llama":
         layer["mlp_bias"] = config.mlp_bias
@@ -369,7 +251,8 @@ def save_speculators(
     target's own input embedding) is written in its own dtype instead of the draft's copy. `target_id` names the
     verifier instead of what the draft records: a Hub id, which speculators fetches from the Hub, or a local folder
     holding the target (config.json and weights), which it loads offline (see `target_identity`). Raises
-    `ValueError` if the draft's layer type is not one speculators builds (llama, qwen3).
+    `ValueError` if the draft's layer type is not one speculators builds (llama, qwen3), or if it sets both fc_norm
+    and norm_before_fc (`NORM_PAIR`).
     """
     if include_embedding is False or (embedding is None and not draft.embedding_loaded):
         raise ValueError(
@@ -399,10 +282,11 @@ def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool =
 
     Like the official training code, the embedding is left out unless `include_embedding` (then written in the dtype
     it came in, `stored_embedding`). A consumer converting a file without it onward must supply the target's
-    embedding: `speculators convert` loads zeros in its place without a word. Raises `ValueError` for
-    a draft the layout cannot express (more than one decoder layer, norm_before_residual, norm_before_fc,
-    norm_output, a non-Llama layer) and for one whose hidden size differs from the target's without its own
-    embedding (the target's cannot stand in).
+    embedding: `speculators convert` loads zeros in its place without a word. An EAGLE-3.1 draft (``fc_norm``,
+    ``norm_output``) is written as vLLM, SGLang and SpecForge since its PR #879 read it. Raises `ValueError` for a
+    draft its readers would not all run the same (`eagle_export_problems`: more than one decoder layer,
+    norm_before_residual, norm_before_fc, a first tap other than 2, a non-Llama layer) and for one whose hidden size
+    differs from the target's without its own embedding (the target's cannot stand in).
     """
     include = resolve_include_embedding(draft, include_embedding)
     config = draft.config
@@ -412,5 +296,6 @@ def save_eagle(draft: Any, out_dir: str | os.PathLike, include_embedding: bool =
             f"{config.target_hidden_size}, so the target's embedding cannot stand in for its own: pass "
             "include_embedding=True."
         )
+    check_exportable(config, EAGLE)
     out_config = eagle_config_dict(config, _dtype_name(draft), include)
     _write(out_dir, out_config, _export_tensors(draft, include, numbered=False))

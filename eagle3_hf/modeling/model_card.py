@@ -22,6 +22,13 @@ LIBRARY_NAME = "eagle3_hf"
 TAGS = ["eagle3", "speculative-decoding", "draft-model"]
 TEMPLATE = "templates/model_card.md"
 CARD_NAME = "README.md"
+# The norm flags a card names, with what each does (a draft with none is plain EAGLE-3, and its card says nothing).
+NORM_FLAGS = {
+    "fc_norm": "an RMSNorm on each tap before fc",
+    "norm_before_fc": "one RMSNorm over the taps before fc",
+    "norm_before_residual": "the residual normed",
+    "norm_output": "the post-norm state fed back",
+}
 # What a card's benchmark results are measured on (model-index needs a dataset for each result).
 _BENCH_DATASET = {"dataset_type": "mt_bench", "dataset_name": "MT-bench (first turns)"}
 
@@ -49,6 +56,14 @@ def _eval_results(metrics: Mapping[str, Any]) -> list[EvalResult]:
     for depth, rate in enumerate(metrics.get("acceptance_by_depth") or [], 1):
         add(f"acceptance_rate_depth_{depth}", f"acceptance rate at depth {depth}", rate)
     return results
+
+
+def architecture_line(config: Mapping[str, Any]) -> str | None:
+    """The card's line for a draft's norm flags (``EAGLE-3.1: `fc_norm` (...), ...``); None for plain EAGLE-3."""
+    flags = [f"`{flag}` ({what})" for flag, what in NORM_FLAGS.items() if config.get(flag)]
+    if not flags:
+        return None
+    return ("EAGLE-3.1" if config.get("fc_norm") and config.get("norm_output") else "EAGLE-3") + ": " + ", ".join(flags)
 
 
 def build_model_card(
@@ -85,6 +100,7 @@ def build_model_card(
         "draft_vocab_size": config.get("draft_vocab_size"),
         "vocab_size": config.get("vocab_size"),
         "num_hidden_layers": config.get("num_hidden_layers") or 1,  # the draft's depth (configs before it: 1)
+        "architecture": architecture_line(config),
         "repo_hint": "path/to/this/draft",
         **{k: v for k, v in info.items() if v is not None},
         **{k: v for k, v in text.items() if v is not None},

@@ -51,6 +51,7 @@ def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, im
     from transformers.trainer_utils import set_seed
 
     from eagle3_hf.commands import train as train_command
+    from eagle3_hf.commands.train_draft import build_draft
 
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.trainer import Eagle3Trainer
@@ -63,7 +64,7 @@ def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, im
     set_seed(training_args.seed)
     dataset, _, vocab_rows = train_command._data(args, training_args, offline=offline)
     target = load_target(args.target, dtype=getattr(torch, args.dtype))  # the draft takes its embedding from it
-    draft = train_command._draft(args, target, vocab_rows, train_command._layer_ids(args.target_layer_ids), False)
+    draft = build_draft(args, target, vocab_rows)
     return Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset)
 
 
