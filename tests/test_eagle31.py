@@ -27,7 +27,7 @@ from test_convert import (  # noqa: F401  (target: the tiny target fixture)
 )
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.generation.drafting import DraftState, TreeBudget, build_greedy_tree, flush_pending
+from eagle3_hf.generation.drafting import DraftState, TreeBudget, build_greedy_trees, catch_up
 from eagle3_hf.modeling.layouts import save_eagle, save_speculators
 
 FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
@@ -108,8 +108,8 @@ def greedy_tree(draft, target, prompt):
         hidden = target(prompt, output_hidden_states=True).hidden_states
     state = DraftState()
     state.add_verified(draft.target_features(hidden)[:, :-1], prompt[:, 1:])
-    flush_pending(draft, state)
-    return build_greedy_tree(draft, state, int(prompt[0, -1]), TreeBudget(depth=5, top_k=3, total_tokens=20))
+    catch_up(draft, state)
+    return build_greedy_trees(draft, state, prompt[0, -1:], TreeBudget(depth=5, top_k=3, total_tokens=20))[0]
 
 
 def test_an_eagle31_draft_in_the_official_layout_drafts_exactly_as_the_native_one(tmp_path, target):
