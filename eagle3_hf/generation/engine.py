@@ -63,7 +63,7 @@ class DecodeRun:
     temperature: float = 1.0
     adaptive_tree: bool = True
     streamer: Any = None
-    output_scores: bool = False  # one row only (batch.py's refusals)
+    output_scores: bool = False  # one row only (decoding.py refuses it for batches)
     output_logits: bool = False
     cost: CycleCostModel = field(default_factory=CycleCostModel)
     exact: ExactAttention | None = None  # row-exact verification (one row); None: one tree-masked call
