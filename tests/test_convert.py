@@ -482,7 +482,8 @@ def test_sharded_checkpoint_and_missing_shard(tmp_path, target):
 
 
 def test_unknown_hub_id_offline(tmp_path):
-    with pytest.raises(ValueError, match="neither a local checkpoint folder nor a Hub repo"):
+    unknown = r"neither a local checkpoint folder, a draft shipped with eagle3_hf .*nor a Hub repo"
+    with pytest.raises(ValueError, match=unknown):
         Eagle3DraftModel.from_pretrained("no-such-org/no-such-draft", local_files_only=True, cache_dir=str(tmp_path))
 
 
