@@ -209,9 +209,21 @@ def test_one_tree_masked_call_is_not_exact_in_bf16(bf16_case):
     assert differing > 0
 
 
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    """SmolLM2 in bf16 with prepacked weights, loaded once for both cases of the test below (the probe too)."""
+    from eagle3_hf.modeling.packed_linear import prepack_linears
+    from eagle3_hf.targets import SMOLLM2, load_target
+
+    target = load_target(SMOLLM2, dtype=torch.bfloat16)
+    prepack_linears(target)
+    probe_for(target)
+    return target
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("expect", EXPECTATIONS)
-def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, expect):
+def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, smollm2_bf16, expect):
     """The real target in bf16 with prepacked weights (how `bench` and `generate` decode on a bf16 CPU) and the
     shipped draft: EAGLE-3's greedy output equals plain bf16 greedy decoding over 128 tokens of real prompts where the
     probe proves row-exact verification bit for bit on this CPU, and leaves it only at near-ties of the fp32 target
@@ -219,14 +231,12 @@ def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, expect):
     from transformers import AutoTokenizer
 
     from eagle3_hf.hub import load_draft_for
-    from eagle3_hf.modeling.packed_linear import prepack_linears
     from eagle3_hf.targets import SMOLLM2, load_target
     from test_generation import mt_bench_questions
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    target = load_target(SMOLLM2, dtype=torch.bfloat16)
-    prepack_linears(target)
+    target = smollm2_bf16
     probe = case(target, expect)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     draft = load_draft_for(SMOLLM2, target)
     scorer = load_target(SMOLLM2, dtype=torch.float32) if expect == "near-tie" else None
     drafted = 0

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from eagle3_hf.generation.drafting import DraftState, build_greedy_trees, catch_up
+from eagle3_hf.generation.context_index import LookupTrie
 from eagle3_hf.generation.hybrid import (
+    LookupOptions,
     LookupState,
     best_lookup_nodes,
     graft,
@@ -150,14 +152,14 @@ class LookupProposer(Proposer):
     """The context lookup's continuations of each row's suffix (context_index.py), with estimates from hit rates
     measured during the call (hybrid.py)."""
 
-    def __init__(self, options) -> None:
+    def __init__(self, options: LookupOptions) -> None:
         self.options = options
         self.lookups: list[LookupState] = []  # per active row
 
     def prefill(self, run, features, next_tokens, valid) -> None:
         self.lookups = [LookupState(options=self.options) for _ in run.active]
 
-    def tries(self, run: DecodeRun) -> list[tuple]:
+    def tries(self, run: DecodeRun) -> list[tuple[LookupTrie, list[float]]]:
         """Each active row's (trie, conditional estimates) for this cycle, its index synced with its output."""
         out = []
         for lookup, row in zip(self.lookups, run.active):
@@ -165,7 +167,8 @@ class LookupProposer(Proposer):
             out.append(lookup.propose())
         return out
 
-    def rows(self, run: DecodeRun, roots: torch.Tensor, tries: list[tuple]) -> list[RowTree] | None:
+    def rows(self, run: DecodeRun, roots: torch.Tensor,
+             tries: list[tuple[LookupTrie, list[float]]]) -> list[RowTree] | None:  # fmt: skip
         """Lookup-only trees (None when no row has a continuation)."""
         trees, total = [], run.budget.total_tokens
         for root, (trie, cond) in zip(roots.tolist(), tries):
@@ -198,7 +201,7 @@ class HybridProposer(Proposer):
 
     needs_hidden_states = True
 
-    def __init__(self, draft: Eagle3DraftModel, options) -> None:
+    def __init__(self, draft: Eagle3DraftModel, options: LookupOptions) -> None:
         self.draft = DraftProposer(draft)
         self.lookup = LookupProposer(options)
 
@@ -235,6 +238,7 @@ class HybridProposer(Proposer):
         self.lookup.select_rows(rows)
 
 
-def _sampled_graft(tree: DraftTree, trie, cond: list[float], chosen: list[int]) -> RowTree:
+def _sampled_graft(tree: DraftTree, trie: LookupTrie, cond: list[float], chosen: list[int]) -> RowTree:
+    """A sampled tree with the lookup's `chosen` trie nodes as point-mass proposals (hybrid.graft_sampled)."""
     grafted = graft_sampled(tree, trie, cond, chosen)
     return RowTree(grafted.tree, grafted.sources, grafted.match, grafted.point_mass, grafted.draws)
