@@ -2,7 +2,8 @@
 
 For each batch size the prompts are grouped, in order, into left-padded batches of mixed lengths (cycled when there
 are fewer prompts than rows). Each batch is decoded greedily by plain batched `generate()` in fp32 and in bf16, and by
-EAGLE-3 (the draft's tree, sized by the batch cost model) at the speculative precision, interleaved per batch after
+EAGLE-3 (`generate(assistant_model=draft)` at its defaults: the hybrid tree, sized by the cost model over the rows;
+named `eagle3_tree_<precision>` in the report) at the speculative precision, interleaved per batch after
 a warm-up, `repeats` times. Tokens/s count every row's generated tokens up to and including its EOS (the padding
 after it is not output), over the whole batch; the medians over repeats are reported, with each EAGLE-3 row compared
 with plain decoding's row at the same precision.
