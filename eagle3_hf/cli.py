@@ -25,6 +25,7 @@ from eagle3_hf.commands import CommandParser, apply_config, load_config_file, sp
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("eagle3_hf.commands.regenerate", "re-answer training prompts with the target model"),
+    "corpus": ("eagle3_hf.commands.corpus", "index the target's regenerated answers for the context lookup"),
     "vocab": ("eagle3_hf.commands.vocab", "build the draft vocabulary (d2t/t2d) from tokenised data"),
     "features": ("eagle3_hf.commands.features", "precompute target features (offline training) to safetensors shards"),
     "train": ("eagle3_hf.commands.train", "train an EAGLE-3 draft with Trainer.train() and the TTT loss"),
