@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3_hf.bench_report import NEAR_TIE_ULPS, divergence
-from eagle3_hf.generation.probe import ProbeResult, probe_row_exactness
+from eagle3_hf.generation.probe import ProbeResult
+from eagle3_hf.generation.verify_choice import probe_for_target
 
 EXPECTATIONS = ("exact", "near-tie")
 
-_probes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(threads, prefix): ProbeResult}
 _scorers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> its fp32 copy
 
 
@@ -42,20 +42,16 @@ def expectation(probe: ProbeResult) -> str:
     return "exact" if probe.identical and probe.exact_verify else "near-tie"
 
 
-def probe_for(target: nn.Module, prefix: int = 48) -> ProbeResult:
-    """The row-exact probe of `target` at the current thread count (run once per target and setting)."""
-    results = _probes.setdefault(target, {})
-    key = (torch.get_num_threads(), prefix)
-    if key not in results:
-        results[key] = probe_row_exactness(target, prefix=prefix)
-    return results[key]
+def probe_for(target: nn.Module) -> ProbeResult:
+    """The row-exact probe of `target` in its current setting: the one `exact_verify="auto"` asks, and its cache."""
+    return probe_for_target(target)
 
 
-def case(target: nn.Module, expect: str, prefix: int = 48) -> ProbeResult:
+def case(target: nn.Module, expect: str) -> ProbeResult:
     """The probe's result if it puts `target` in case `expect`; otherwise skips, saying which case runs instead."""
     if expect not in EXPECTATIONS:
         raise ValueError(f"expect must be one of {EXPECTATIONS}, got {expect!r}")
-    probe = probe_for(target, prefix)
+    probe = probe_for(target)
     chosen = expectation(probe)
     if chosen != expect:
         pytest.skip(f"the {chosen} case runs on this CPU: {probe.describe()}")

@@ -86,7 +86,7 @@ def tree_rows(target, prompt, tokens, parents, exact):
 @pytest.mark.parametrize("expect", EXPECTATIONS)
 def test_tree_rows_equal_one_token_steps(family, implementation, expect):
     target = bf16_target(family, implementation)
-    probe = case(target, expect, prefix=21)
+    probe = case(target, expect)
     if expect == "near-tie":
         # What differs is a matmul's rounding over several rows, never the attention call row-exact verification
         # shapes: with the linear layers made row-invariant, every node is bit for bit its one-token steps again.
@@ -118,7 +118,7 @@ SMALL_TREES = {
 @pytest.mark.parametrize("expect", EXPECTATIONS)
 def test_small_and_unsorted_tree_rows_equal_one_token_steps(family, implementation, tree, expect):
     target, parents = bf16_target(family, implementation), SMALL_TREES[tree]
-    probe = case(target, expect, prefix=21)
+    probe = case(target, expect)
     if expect == "near-tie":  # as in test_tree_rows_equal_one_token_steps
         assert probe.first_difference and not probe.first_difference.endswith("(attention)"), probe.describe()
         rowwise_linears(target)

@@ -385,9 +385,9 @@ def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}.")
     valid = attention_mask.bool()
-    if not bool(valid[:, -1].all()) or bool((valid[:, 1:].long() - valid[:, :-1].long() < 0).any()):
-        row = next(r for r in range(valid.shape[0]) if not bool(valid[r, -1]) or
-                   bool((valid[r, 1:].long() - valid[r, :-1].long() < 0).any()))  # fmt: skip
+    bad = ~valid[:, -1] | (valid[:, 1:].long() - valid[:, :-1].long() < 0).any(dim=1)  # [B]: a one before a zero
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
         raise ValueError(
             f"EAGLE-3 decoding accepts left padding only (each row's mask: zeros, then ones, ending in a one); row "
             f"{row}'s attention_mask is {attention_mask[row].tolist()}. Tokenise with padding_side='left'. Without an "

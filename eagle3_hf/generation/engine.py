@@ -261,8 +261,7 @@ def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult]
     steps in the same time (only the tokens the draft proposed count: the lookup's came without consulting it)."""
     cost, rows = run.cost, len(results)
     width = max(row.tree.num_nodes for row in proposal.rows)
-    cost.rows = rows
-    cost.verify.observe(rows * width, verify_s)
+    cost.verify.observe(rows * width, verify_s)  # cost.rows: set by `propose` for this cycle's rows
     from_draft = 0
     for row, tree, result, count in zip(run.active, proposal.rows, results, emitted):
         nodes = tree.tree.num_nodes

@@ -4,8 +4,8 @@ Row-exact verification (exact_attention.py) gives every tree node the attention 
 verify forward then reproduces one-token steps bit for bit only where the target's other ops -- its matmuls above
 all -- are row-invariant on this hardware: true on the AMX Xeons measured, false on an AMD EPYC with avx512_bf16 and
 no AMX, where SmolLM2's `mlp.down_proj` rounds 16 rows differently from one. There row-exact verification costs
-1.2-1.9x a one-call verify (docs/research/bf16-exactness.md) and buys nothing: its bf16 output equals plain output up
-to near-ties, exactly as one tree-masked call's does.
+time (a verify forward measured 1.2-1.9x one call's on the Xeon; docs/research/bf16-exactness.md) and buys nothing:
+its bf16 output equals plain output up to near-ties, exactly as one tree-masked call's does.
 
 So `exact_verify="auto"` (the default) asks the row-invariance probe (probe.py, what `bench` reports) once per
 target, dtype, device, thread count, attention implementation and set of module types (prepacking weights changes
@@ -98,14 +98,15 @@ def choose_verification(model: PreTrainedModel, exact_verify: Any = "auto", rows
         return VerifyChoice(True, f"{PROVEN}: {probe.describe()}", probe)
     if setting == "auto":
         return VerifyChoice(False, f"row-exact verification is not exact here: {probe.describe()}", probe)
-    warned = _warned.setdefault(model, set())
-    if _setting(model) not in warned:
-        warned.add(_setting(model))
+    warned, key = _warned.setdefault(model, set()), _setting(model)
+    if key not in warned:
+        warned.add(key)
         warnings.warn(
             f"exact_verify=True on hardware where row-exact verification is not exact: {probe.describe()} (CPU: "
-            f"{cpu_name()}). It costs 1.2-1.9x a one-call verify here and its output equals plain decoding only up "
-            "to near-ties, as one call's does; exact_verify='auto' (the default) verifies in one call where this "
-            "probe fails.",
+            f"{cpu_name()}). Its verify forward costs more than one tree-masked call's (1.2-1.9x on an AMX Xeon; "
+            "on an AMD EPYC without AMX the hybrid tree ran at 1.17x plain bf16 with it and 1.72x with one call) and "
+            "its output equals plain decoding only up to near-ties, as one call's does; exact_verify='auto' (the "
+            "default) verifies in one call where this probe fails.",
             stacklevel=4,
         )
     return VerifyChoice(True, f"exact_verify=True, though not exact here: {probe.describe()}", probe)
