@@ -1,7 +1,8 @@
 """Named wall-clock sections of a decoding call, for profiling the cycle (`scripts/research/cycle_profile.py`).
 
-A `CycleTimer` is per-call state like `DecodeRun`: the loop hands it to the steps explicitly (and to the row-exact
-attention state and the drafting step), never to a module. Without one the steps use `NO_TIMER`, whose methods do
+A `CycleTimer` is per-call state like `DecodeRun`: the loop (engine.py) holds it in `DecodeRun` and hands it to
+the row-exact attention state, never to a module; the loop times a few coarse sections per cycle (draft, target
+forward, acceptance, cache compaction, emit). Without one the steps use `NO_TIMER`, whose methods do
 nothing, so an ordinary call pays two no-op method calls per section.
 
 Usage inside a step: `mark = timer.now()` ... `timer.add("name", mark)` adds the seconds since `mark` to section
