@@ -10,7 +10,7 @@ step, CPU-seconds per 1,000 supervised tokens, plus the padding share of the bat
 
     OMP_NUM_THREADS=1 python scripts/research/train_step_profile.py --batches 12 -- \
         --target smollm2 --data work_data/regen_sharegpt work_data/regen_alpaca SHAREGPT_JSON \
-        --init-draft examples/data/lineage/smollm2-12075 --output work_data/profile --ttt-length 7 --max-length 384 \
+        --init-draft eagle3_hf/drafts/smollm2-135m-instruct --output work_data/profile --ttt-length 7 --max-length 384 \
         --batch-size 2 --gradient-accumulation-steps 2 --learning-rate 1e-4 --dtype bfloat16
 
 The optimizer is the trainer's own (`create_optimizer`); nothing is saved. Timings are CPU seconds of this process

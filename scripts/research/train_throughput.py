@@ -9,7 +9,7 @@ the interpreter imports, so the same script measures two trees on the same data 
     git worktree add --detach ../main-tree main
     PYTHONPATH=../main-tree OMP_NUM_THREADS=1 python scripts/research/train_throughput.py --steps 12 -- \\
         --target smollm2 --data work_data/regen_sharegpt work_data/regen_alpaca SHAREGPT_JSON \\
-        --init-draft examples/data/lineage/smollm2-12075 --output work_data/throughput --ttt-length 7 \\
+        --init-draft eagle3_hf/drafts/smollm2-135m-instruct --output work_data/throughput --ttt-length 7 \\
         --max-length 384 --batch-size 2 --gradient-accumulation-steps 2 --learning-rate 1e-4 --dtype bfloat16
 
 The report names the package's git commit (with ``+changes`` when its package differs from it).
