@@ -326,6 +326,21 @@ def test_accept_lengths_count_the_emitted_tokens(family_case):
             assert len(out.accept_lengths) == len(out.tree_sizes) and all(a >= 1 for a in out.accept_lengths)
 
 
+def test_an_observer_hears_every_cycle_as_the_output_reports_it(family_case):
+    """`eagle3_observer` gets one `CycleRecord` per cycle, matching the output's per-cycle statistics, and the draft
+    and verify times the output sums; the output is the same with and without one."""
+    target, draft, prompts, _ = family_case("llama")
+    records = []
+    options = dict(max_new_tokens=NEW, return_dict_in_generate=True, **TREES["wide"])
+    out = eagle(target, draft, prompts[0], eagle3_observer=records.append, **options)
+    assert [r.emitted[0] for r in records] == out.accept_lengths
+    assert [r.tree_sizes[0] for r in records] == out.tree_sizes
+    assert all(len(r.parents[0]) == r.tree_sizes[0] and r.parents[0][0] == -1 for r in records)
+    assert [r.past for r in records] == sorted(r.past for r in records) and records[0].past == prompts[0].shape[1]
+    assert sum(r.verify_s for r in records) == pytest.approx(out.verify_time)
+    assert eagle(target, draft, prompts[0], **options).sequences.tolist() == out.sequences.tolist()
+
+
 class Collector(BaseStreamer):
     def __init__(self):
         self.puts, self.ends = [], 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +40,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget
 from eagle3_hf.generation.emission import sequences
-from eagle3_hf.generation.engine import DecodeRun, decode
+from eagle3_hf.generation.engine import CycleRecord, DecodeRun, decode
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.hybrid import LookupOptions
 from eagle3_hf.generation.proposers import DraftProposer, HybridProposer, LookupProposer
 from eagle3_hf.generation.target_cache import editable_cache
-from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.generation.verify_choice import check_exact_verify, choose_verification
 from eagle3_hf.modeling._compat import generate_output_cache_field
 from eagle3_hf.modeling.embedding import embeddings_match, stored_embedding, whole_tensor
@@ -230,7 +230,7 @@ def eagle3_decoding(
     generation_config: GenerationConfig,
     eagle3_draft: Eagle3DraftModel | ContextLookup | None = None,
     eagle3_streamer: Any = None,
-    eagle3_timer: NullTimer = NO_TIMER,
+    eagle3_observer: Callable[[CycleRecord], None] | None = None,
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
     tree_total_tokens: int | None = None,
@@ -257,6 +257,9 @@ def eagle3_decoding(
     has no draft); `lookup_depth` tokens per continuation (default: the tree depth), `lookup_branches` continuations
     (default 4), and the draft's forward is skipped in a cycle where every row's best next lookup token has an
     estimated acceptance of at least `lookup_confidence` (default 0.8; 1.0 or more: never).
+
+    `eagle3_observer`: a callable handed an `engine.CycleRecord` after every cycle (research scripts); nothing is
+    timed for it that the cost model does not measure anyway.
     """
     if isinstance(eagle3_draft, ContextLookup):
         draft, context_lookup = None, True
@@ -312,11 +315,9 @@ def eagle3_decoding(
     else:
         proposer = DraftProposer(draft) if options is None else HybridProposer(draft, options)
     run = _new_run(model, draft, proposer, input_ids, mask, logits_processor, stopping_criteria, generation_config,
-                   budget, cache, adaptive_tree, eagle3_streamer, eagle3_timer)  # fmt: skip
+                   budget, cache, adaptive_tree, eagle3_streamer, eagle3_observer)  # fmt: skip
     choice = choose_verification(model, exact_verify, rows=rows)
     with exact_verification(model, enabled=choice.exact) as run.exact:
-        if run.exact is not None:
-            run.exact.timer = run.timer
         decode(run, input_ids, mask)
     output = sequences(run)
     if rows == 1:  # the cache holds every output token but the last, as plain decoding's
@@ -347,7 +348,7 @@ def eagle3_decoding(
 
 def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: Any, input_ids: torch.Tensor,
              mask: torch.Tensor, logits_processor: Any, stopping_criteria: Any, generation_config: GenerationConfig,
-             budget: TreeBudget, cache: Any, adaptive_tree: bool, streamer: Any, timer: NullTimer) -> DecodeRun:  # fmt: skip
+             budget: TreeBudget, cache: Any, adaptive_tree: bool, streamer: Any, observer: Any) -> DecodeRun:  # fmt: skip
     """The call's `DecodeRun`: output buffer, padding and stopping rules as plain generate() has them."""
     rows, length = input_ids.shape
     has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
@@ -366,7 +367,7 @@ def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: A
         out=out, lengths=[length] * rows, starts=[int((m == 0).sum()) for m in mask],
         pad_token_id=None if pad is None else int(pad), pad_finished=rows > 1 and has_eos, max_length=max_length,
         do_sample=do_sample, temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
-        adaptive_tree=adaptive_tree, streamer=streamer, timer=timer,
+        adaptive_tree=adaptive_tree, streamer=streamer, observer=observer,
         output_scores=return_dict and bool(generation_config.output_scores),
         output_logits=return_dict and bool(generation_config.output_logits),
         cost=CycleCostModel.for_device(model.device.type, model.dtype), stop_lengths=[None] * rows,

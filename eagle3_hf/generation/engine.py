@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,13 +33,27 @@ from eagle3_hf.generation.hybrid import DRAFT, prune_nodes, source_counts
 from eagle3_hf.generation.node_scores import NodeScores
 from eagle3_hf.generation.proposers import Proposal, Proposer, RowTree, root_only
 from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
-from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 from eagle3_hf.generation.tree import DraftTree, rerank
 from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.modeling_eagle3 import select_target_features
 
-__all__ = ["DecodeRun", "decode", "prune_tree"]
+__all__ = ["CycleRecord", "DecodeRun", "decode", "prune_tree"]
+
+
+@dataclass
+class CycleRecord:
+    """What one cycle did, handed to the call's `eagle3_observer` (e.g. scripts/research/cycle_profile.py). Only what
+    the loop knows anyway: the times are those the cost model measures; nothing else is timed for an observer."""
+
+    past: int  # target cache columns before the cycle
+    rows: list[int]  # the rows that took part (indices into the batch)
+    tree_sizes: list[int]  # per row: nodes verified, root included
+    emitted: list[int]  # per row: tokens it appended
+    parents: list[list[int]]  # per row: its tree's parents
+    draft_s: float  # proposing (the draft's forwards, the lookup, sizing)
+    verify_s: float  # the target forward, acceptance and the cache and proposer updates
+    consulted: bool  # whether the draft was consulted
 
 
 @dataclass
@@ -67,7 +82,7 @@ class DecodeRun:
     output_logits: bool = False
     cost: CycleCostModel = field(default_factory=CycleCostModel)
     exact: ExactAttention | None = None  # row-exact verification (one row); None: one tree-masked call
-    timer: NullTimer = NO_TIMER  # named sections per cycle (timing.py); NO_TIMER: not profiled
+    observer: Callable[[CycleRecord], None] | None = None  # told what each cycle did (research scripts); None: nobody
     stop_lengths: list[int | None] = field(default_factory=list)  # a row's length when a criterion fired
     active: list[int] = field(default_factory=list)
     columns: TargetColumns | None = None
@@ -96,7 +111,6 @@ def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
     retire_rows(run)
     while run.active:
         start = run.cache.get_seq_length()
-        run.timer.start_cycle(past=start)
         proposal, predicted, draft_s = propose(run)
         t0 = time.perf_counter()
         logits, features = verify(run, proposal.rows, start)
@@ -104,10 +118,12 @@ def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
         new_tokens = update(run, proposal, results, features, start)
         verify_s = time.perf_counter() - t0
         run.verify_time += verify_s
-        mark = run.timer.now()
         emitted = emit(run, new_tokens, results, scores)
-        run.timer.add("emit (outside verify)", mark)
         record_cycle(run, proposal, results, emitted, predicted, draft_s, verify_s)
+        if run.observer is not None:
+            run.observer(CycleRecord(past=start, rows=list(run.active), tree_sizes=[r.tree.num_nodes for r in proposal.rows],
+                                     emitted=emitted, parents=[r.tree.parents.tolist() for r in proposal.rows],
+                                     draft_s=draft_s, verify_s=verify_s, consulted=proposal.consulted))  # fmt: skip
         retire_rows(run)
     stream(run, final=True)
     if run.streamer is not None:
@@ -152,7 +168,7 @@ def select_tokens(run: DecodeRun, processed: torch.Tensor) -> torch.Tensor:
 def propose(run: DecodeRun) -> tuple[Proposal, float, float]:
     """The proposer's trees (root-only ones where it proposed none), greedy ones sized by the cost model. Returns
     (proposal, accepted tokens predicted over the rows, seconds spent)."""
-    mark, t0 = run.timer.now(), time.perf_counter()
+    t0 = time.perf_counter()
     run.cost.rows = len(run.active)
     roots = torch.tensor([int(run.out[row, run.lengths[row] - 1]) for row in run.active], device=run.device)
     proposal = run.proposer.propose(run, roots)
@@ -170,7 +186,6 @@ def propose(run: DecodeRun) -> tuple[Proposal, float, float]:
     _sync(run.device)
     seconds = time.perf_counter() - t0
     run.draft_time += seconds
-    run.timer.add("draft", mark)
     return proposal, predicted, seconds
 
 
@@ -192,7 +207,6 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
     trees = [row.tree for row in rows]
     if run.exact is not None:
         run.exact.set_tree(trees[0].parents, start)
-    mark = run.timer.now()
     padded = pad_trees(trees, run.columns.next_position)
     mask = None
     if padded.tokens.shape[1] > 1 or not bool(run.columns.valid.all()):  # a plain step of rows without holes: none
@@ -206,7 +220,6 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
     finally:
         if run.exact is not None:
             run.exact.clear_tree()
-    run.timer.add("target forward", mark)
     features = select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
     return out.logits, features
 
@@ -214,7 +227,6 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
 def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[list[AcceptResult], list[NodeScores]]:
     """Each row's longest valid path (greedy match, or lossless stochastic acceptance) and bonus token, its scores
     processed along each visited node's own path."""
-    mark = run.timer.now()
     results, scores = [], []
     for i, (row, proposal) in enumerate(zip(run.active, rows)):
         tree = proposal.tree
@@ -230,7 +242,6 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
             result = greedy_accept(tree.tokens, tree.parents, node_scores.greedy_choice)
         results.append(result)
         scores.append(node_scores)
-    run.timer.add("acceptance", mark)
     return results, scores
 
 
@@ -238,9 +249,7 @@ def update(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], feat
            start: int) -> list[list[int]]:  # fmt: skip
     """Keep each row's accepted path in the target cache; tell the proposer. Returns each row's new tokens (accepted
     nodes + bonus)."""
-    mark = run.timer.now()
     index, keep = keep_paths(run.cache, run.columns, start, [result.path for result in results])
-    run.timer.add("cache compaction", mark)
     new_tokens = [row.tree.tokens[result.path[1:]].tolist() + [int(result.bonus_token)]
                   for row, result in zip(proposal.rows, results)]  # fmt: skip
     tokens = torch.zeros(index.shape, dtype=torch.long, device=run.device)
@@ -277,9 +286,6 @@ def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult]
     if proposal.consulted and run.adaptive_tree:
         spent = draft_s + (verify_s if width > 1 else 0.0)
         cost.after_consultation((from_draft + rows if width > 1 else 0) - spent * cost.plain_rate())
-    if run.timer.enabled:
-        run.timer.note(nodes=width, accepted=sum(len(r.path) - 1 for r in results), draft_s=draft_s,
-                       verify_s=verify_s, parents=proposal.rows[0].tree.parents.tolist())  # fmt: skip
 
 
 @dataclass

@@ -35,7 +35,6 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from eagle3_hf.generation.timing import NO_TIMER, NullTimer
 
 __all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
 
@@ -88,7 +87,6 @@ class ExactAttention:
     key_index: torch.Tensor | None = None  # [T * (max_depth + 1)] `past + paths`, flat: cache positions to gather
     layers: dict[int, _LayerKeys] = field(default_factory=dict)
     _calls: dict[Any, list[_Call]] = field(default_factory=dict)
-    timer: NullTimer = NO_TIMER  # the decoding call's (timing.py)
 
     def set_tree(self, parents: torch.Tensor, past: int) -> None:
         """Plan the next forward: the tree of `parents` `[T]` (`parents[i] < i`, root -1) behind `past` tokens."""
@@ -257,11 +255,7 @@ def exact_attention_forward(
         return inner(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"row-exact verification runs one sequence; got a batch of {query.shape[0]}")
-    timer = state.timer
-    mark = timer.now()
     layer = state.layer_keys(module.layer_idx, key, value, past + state.depths[-1] + 1)
-    timer.add("exact: prefix copies", mark)
-    mark = timer.now()
     queries = query[0].transpose(0, 1).unsqueeze(2)  # [T, heads, 1, head_dim]
     # depth-sorted, and contiguous as the kernels' one-token steps get them
     queries = queries.contiguous() if state.sorted else queries[state.order]
@@ -276,10 +270,8 @@ def exact_attention_forward(
         for cache, rows_of in ((key, layer.keys), (value, layer.values)):
             gathered = cache[0].index_select(1, state.key_index).view(cache.shape[1], nodes, width, cache.shape[3])
             rows_of[:nodes, :, past : past + width] = gathered.transpose(0, 1)
-    timer.add("exact: path keys", mark)
     rows = []
     for call in calls:
-        mark = timer.now()
         first = call.start if own_rows else 0
         last = first + call.stop - call.start
         if not own_rows:
@@ -289,11 +281,9 @@ def exact_attention_forward(
                 rows_of[:last, :, past : call.end] = gathered.transpose(0, 1)
         q = queries[call.start : call.stop]
         k, v = layer.keys[first:last, :, call.begin : call.end], layer.values[first:last, :, call.begin : call.end]
-        timer.add("exact: path keys", mark)
         if direct and call.begin == 0:
-            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs, timer))
+            rows.append(_decode_step_sdpa(module, q, k, v, call, kwargs))
             continue
-        mark = timer.now()
         mask = None
         if call.begin > 0 and state.implementation == "sdpa":
             # a sliding-window step past its window: transformers passes an all-visible mask, and sdpa then packs
@@ -301,29 +291,23 @@ def exact_attention_forward(
             mask = torch.ones(1, 1, 1, call.end - call.begin, dtype=torch.bool, device=query.device)
         out, _ = inner(module, q, k, v, mask, **kwargs)  # [n, 1, heads, head_dim]
         rows.append(out)
-        timer.add("exact: attention kernel", mark)
-    mark = timer.now()
     out = (rows[0] if len(rows) == 1 else torch.cat(rows))[:, 0]  # [T, heads, head_dim], depth-sorted
     if not state.sorted:
         result = torch.empty_like(out)
         result[state.order] = out
         out = result
-    timer.add("exact: assemble", mark)
     return out.unsqueeze(0), None
 
 
 def _decode_step_sdpa(
     module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict,
-    timer: NullTimer = NO_TIMER,
 ) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` called as transformers' sdpa calls it for a one-token step
     over full attention (no mask, key heads shared through `enable_gqa`), for `n` nodes at once; rows shorter than the
     call see their trailing keys masked (see `ExactAttention.calls`). Returns `[n, 1, heads, head_dim]`."""
-    mark = timer.now()
     extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=call.mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), is_causal=False,
         **extra,
     )  # [n, heads, 1, head_dim]
-    timer.add("exact: attention kernel", mark)
     return out.transpose(1, 2)

@@ -1,16 +1,17 @@
-"""Where one EAGLE-3 cycle's time goes, op by op, measured inside a real decoding loop.
+"""Where one EAGLE-3 cycle's time goes, step by step, measured inside a real decoding loop.
 
 Runs greedy tree decoding of SmolLM2 (bf16, prepacked weights, the shipped draft, row-exact verification unless
 `--no-exact-verify`) over a few MT-bench prompts with fixed trees of `--nodes` nodes (`adaptive_tree=False`, so every
-cycle verifies the same number of nodes and drafts the same number of levels), with a `CycleTimer`
-(`eagle3_hf/generation/timing.py`) handed to the loop. It reports, in ms per cycle:
+cycle verifies the same number of nodes and drafts the same number of levels). The decoding loop times nothing for
+it: this script wraps the loop's steps (`eagle3_hf/generation/engine.py`'s propose, verify, accept, keep_paths,
+emit; the draft's forward and catch-up; the row-exact attention's prefix copies and kernel calls) with its own clocks
+for the length of the run, and the loop's `eagle3_observer` hands it an `engine.CycleRecord` per cycle (its tree,
+and the draft and verify times the cost model measures anyway). It reports, in ms per cycle:
 
-* the verify step (from the end of drafting to the accepted path's features being queued), cut into: the tree's
-  mask and positions, planning the row-exact attention, the target forward (and inside it the row-exact
-  attention's prefix copies, path keys, masks, kernel calls and assembly, and the rest of the forward), the fp32
-  logits, the logits processors, acceptance, cache compaction, feature gathering, and what is left (Python);
-* one drafting level (level mask and inputs, the draft layer, its head, log-softmax and top-k, frontier bookkeeping,
-  the cost model's grow decision), and per tree the catch-up forward, setup and final rerank;
+* the verify step (from the end of drafting to the accepted path's features being queued), cut into: the target
+  forward (its mask included; inside it the row-exact attention's prefix copies and kernel calls), acceptance, cache
+  compaction, and what is left (Python, feature gathering, the proposer's update);
+* drafting: per cycle, the catch-up forward and one drafting level (the draft's forward);
 * references outside the loop at the loop's median context, from the first prompt's own tokens: a bare target
   forward over the same tree (one tree-masked call, and row-exact), and a plain one-token step (forward, fp32 logits,
   argmax); plus plain greedy `generate()`'s time per token on the same prompts, and whether its output equals the
@@ -24,30 +25,81 @@ Timings are wall-clock (`time.perf_counter`): run it on an otherwise idle machin
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers import DynamicCache
 
 from eagle3_hf.benchmark import read_prompts
-from eagle3_hf.generation.target_cache import crop_cache
+from eagle3_hf.generation import drafting, engine, exact_attention, proposers
+from eagle3_hf.generation.engine import CycleRecord
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.tree import target_tree_mask
-from eagle3_hf.generation.timing import CycleTimer
-from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
+from eagle3_hf.generation.target_cache import crop_cache
+from eagle3_hf.generation.tree import target_tree_mask, tree_attention_mask, tree_depths
 from eagle3_hf.hub import default_prompts_path, load_draft_for
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.targets import load_target, load_tokenizer
 
-VERIFY = ["mask and positions", "exact: plan tree", "target forward", "fp32 logits", "logits processors",
-          "acceptance", "cache compaction", "feature gathering"]  # fmt: skip
-EXACT = ["exact: prefix copies", "exact: path keys", "exact: masks", "exact: attention kernel", "exact: assemble"]
-LEVEL = ["draft: grow decision", "draft: level mask and inputs", "draft: layer forward", "draft: head",
-         "draft: log-softmax and top-k", "draft: frontier bookkeeping"]  # fmt: skip
-PER_TREE = ["draft: catch-up forward", "draft: worth drafting", "draft: tree setup", "draft: rerank and tree"]
+# (module, attribute, section): what the clocks wrap for a run
+WRAPPED = [
+    (engine, "prefill", "prefill"),
+    (engine, "verify", "target forward"),
+    (engine, "accept", "acceptance"),
+    (engine, "keep_paths", "cache compaction"),
+    (engine, "emit", "emit (outside verify)"),
+    (proposers, "catch_up", "draft: catch-up forward"),
+    (drafting, "draft_forward", "draft: forward"),
+    (exact_attention.ExactAttention, "layer_keys", "exact: prefix copies"),
+    (exact_attention, "_decode_step_sdpa", "exact: attention kernel"),
+]
+VERIFY = ["target forward", "acceptance", "cache compaction"]
+EXACT = ["exact: prefix copies", "exact: attention kernel"]
+
+
+class Clocks:
+    """Seconds and calls per section, per cycle: the open cycle's sections are closed by the loop's observer."""
+
+    def __init__(self) -> None:
+        self.cycles: list[dict] = []
+        self.sections: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def timed(self, name: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sections[name] = self.sections.get(name, 0.0) + time.perf_counter() - start
+                self.counts[name] = self.counts.get(name, 0) + 1
+                if name == "prefill":  # forget what ran before the first cycle (the prefill's emit)
+                    self.sections, self.counts = {}, {}
+
+        return wrapper
+
+    def observe(self, record: CycleRecord) -> None:
+        info = dict(past=record.past, nodes=max(record.tree_sizes), accepted=sum(record.emitted) - len(record.rows),
+                    draft_s=record.draft_s, verify_s=record.verify_s, parents=record.parents[0])  # fmt: skip
+        self.cycles.append({"info": info, "sections": self.sections, "counts": self.counts})
+        self.sections, self.counts = {}, {}
+
+    @contextlib.contextmanager
+    def wrapping(self) -> Iterator[None]:
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in WRAPPED]
+        try:
+            for (owner, name, section), (_, _, fn) in zip(WRAPPED, originals):
+                setattr(owner, name, self.timed(section, fn))
+            yield
+        finally:
+            for owner, name, fn in originals:
+                setattr(owner, name, fn)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -70,26 +122,26 @@ def summarize(cycles: list[dict]) -> dict:
     verify = {name: mean_ms(cycles, name) for name in VERIFY}
     exact = {name: mean_ms(cycles, name) for name in EXACT}
     total = 1e3 * statistics.mean(c["info"]["verify_s"] for c in cycles)
-    verify["target forward: row-exact attention bookkeeping and kernels"] = sum(exact.values())
-    verify["target forward: the rest (projections, MLP, norms, head, cache)"] = verify["target forward"] - sum(
+    verify["target forward: the rest (projections, MLP, norms, head, cache, mask)"] = verify["target forward"] - sum(
         exact.values()
     )
     verify["Python and other (total minus the sections)"] = total - sum(verify[name] for name in VERIFY)
-    levels = sum(c["counts"].get("draft: layer forward", 0) for c in cycles) / len(cycles)
-    level = {name: mean_ms(cycles, name) / max(levels, 1) for name in LEVEL}
-    draft_total = 1e3 * statistics.mean(c["info"]["draft_s"] for c in cycles)
-    per_tree = {name: mean_ms(cycles, name) for name in PER_TREE}
+    # the draft's forwards: one per level, plus the catch-up's own
+    forwards = sum(c["counts"].get("draft: forward", 0) for c in cycles)
+    catch_ups = sum(c["counts"].get("draft: catch-up forward", 0) for c in cycles)
+    levels = (forwards - catch_ups) / len(cycles)
+    level_ms = (mean_ms(cycles, "draft: forward") * len(cycles) - 1e3 * sum(
+        c["sections"].get("draft: catch-up forward", 0.0) for c in cycles)) / max(forwards - catch_ups, 1)  # fmt: skip
     return {
         "cycles": len(cycles),
         "verify_ms": total,
         "verify_sections_ms": verify,
         "exact_attention_sections_ms": exact,
         "accepted_per_cycle": statistics.mean(c["info"]["accepted"] for c in cycles) + 1,
-        "draft_ms": draft_total,
+        "draft_ms": 1e3 * statistics.mean(c["info"]["draft_s"] for c in cycles),
         "draft_levels_per_cycle": levels,
-        "draft_level_ms": sum(level.values()),
-        "draft_level_sections_ms": level,
-        "draft_per_tree_sections_ms": per_tree,
+        "draft_level_ms": level_ms,
+        "catch_up_ms": mean_ms(cycles, "draft: catch-up forward"),
         "emit_ms": mean_ms(cycles, "emit (outside verify)"),
     }
 
@@ -159,9 +211,10 @@ def main() -> None:
     model.generate(prompts[0], max_new_tokens=8, do_sample=False)
     cycles, identical, plain_token_s, outputs = [], [], [], []
     for ids in prompts:
-        timer = CycleTimer()
-        tree_out = model.generate(ids, eagle3_timer=timer, **tree_kwargs)
-        cycles += [c for c in timer.cycles if c["info"]["nodes"] == args.nodes]
+        clocks = Clocks()
+        with clocks.wrapping():
+            tree_out = model.generate(ids, eagle3_observer=clocks.observe, **tree_kwargs)
+        cycles += [c for c in clocks.cycles if c["info"]["nodes"] == args.nodes]
         start = time.perf_counter()
         model.generate(ids, max_new_tokens=1, do_sample=False)
         prefill = time.perf_counter() - start
@@ -203,11 +256,7 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
         print(f"    {name:<64} {ms:7.2f}")
     print(f"\ndrafting: {report['draft_ms']:.2f} ms per cycle, {report['draft_levels_per_cycle']:.1f} levels; "
           f"one level {report['draft_level_ms']:.2f} ms")  # fmt: skip
-    for name, ms in report["draft_level_sections_ms"].items():
-        print(f"  {name:<66} {ms:7.2f}")
-    print("  per tree:")
-    for name, ms in report["draft_per_tree_sections_ms"].items():
-        print(f"    {name:<64} {ms:7.2f}")
+    print(f"  catch-up forward per cycle {report['catch_up_ms']:.2f} ms; emit per cycle {report['emit_ms']:.2f} ms")
     print(f"\nreferences at context {ref['context']}: plain one-token step {plain:.2f} ms; the same tree bare, one call "
           f"{ref['tree_one_call_ms']:.2f} ms, row-exact {ref['tree_row_exact_ms']:.2f} ms; plain generate() "
           f"{ref['plain_generate_per_token_ms']:.2f} ms per token")  # fmt: skip
