@@ -226,6 +226,9 @@ def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
     values.update(feature_mode="offline" if offline else "online", build_draft_vocab=False, draft_vocab_size=None)
     if values.get("eval_steps") and values["eval_strategy"] in ("no", None):
         values["eval_strategy"] = "steps"  # --eval-steps N alone: evaluate every N steps
+    if values.get("metric_for_best_model") and values["eval_strategy"] in ("no", None):
+        raise ValueError(f"--metric-for-best-model {values['metric_for_best_model']} selects checkpoints by their "
+                         "evaluation: add --eval-steps N (held-out conversations, or --eval-features).")  # fmt: skip
     values["bf16"] = values["bf16"] or args.dtype == "bfloat16"
     values["fp16"] = values["fp16"] or args.dtype == "float16"
     if not torch.cuda.is_available():
@@ -303,6 +306,7 @@ def run_cli(args: argparse.Namespace) -> int:
         "data": ", ".join(sources) + (" (offline features)" if offline else ""),
         "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
         "ttt_length": training_args.ttt_length,
+        "loss": training_args.loss,
         # below 1, the share of positions that ran TTT steps 1..K-1 (eagle3_hf.training.ttt_rows)
         **({"ttt_deep_fraction": training_args.ttt_deep_fraction} if training_args.ttt_deep_fraction < 1 else {}),
     }

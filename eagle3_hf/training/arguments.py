@@ -7,10 +7,11 @@ which imports nothing heavy, so that `eagle3-hf train --help` can list them with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = [
-    "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "SPLITS", "Eagle3TrainingOptions",
-    "check_deep_fraction",
+    "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "LOSSES", "SPLITS", "Eagle3TrainingOptions",
+    "check_deep_fraction", "check_loss",
 ]
 
 # Defaults shared by the training modules and the command line, kept here so that reading them imports nothing.
@@ -18,6 +19,7 @@ DEFAULT_TOP_K = 64  # target logits kept per position (online features, offline 
 DEFAULT_MIN_COVERAGE = 0.95  # held-out coverage `--draft-vocab-size auto` must reach
 DEFAULT_HELD_OUT_FRACTION = 0.02  # share of conversations (by id hash) training leaves out
 SPLITS = ("train", "held-out", "all")
+LOSSES = ("forward_kl", "tv", "lk")  # the objectives of `eagle3_hf.training.losses`
 
 
 @dataclass
@@ -40,6 +42,13 @@ class Eagle3TrainingOptions:
         max_length: longer rows are cut by the default collator.
         build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
             ``0..Vd-1``), build it from the training data's supervised tokens before training.
+        loss: the objective of each step against the target's soft label (`eagle3_hf.training.losses`):
+            ``"forward_kl"`` (EAGLE-3's soft cross entropy, the default), ``"tv"`` (total variation) or ``"lk"``
+            (negative log acceptance).
+
+    ``metric_for_best_model`` (a `TrainingArguments` field) may name any evaluation metric the trainer logs (``loss``,
+    ``sim_accept_len``, ``coverage``, ``acc_j``, ``loss_j``, with or without ``eval_``); ``sim_accept_len`` and the
+    accuracies select the checkpoint with the highest value (``greater_is_better`` is set to True for them).
     """
 
     ttt_length: int = field(default=7, metadata={"help": "TTT steps per position (step j predicts j+2 ahead)"})
@@ -63,6 +72,11 @@ class Eagle3TrainingOptions:
     build_draft_vocab: bool = field(
         default=True, metadata={"help": "build a placeholder draft vocabulary from the training data"}
     )
+    loss: Literal["forward_kl", "tv", "lk"] = field(
+        default="forward_kl",
+        metadata={"help": "objective of each TTT step: forward_kl (soft cross entropy, EAGLE-3's), tv (total "
+                          "variation) or lk (-log acceptance, arXiv 2602.23881)"},
+    )  # fmt: skip
 
     def check_eagle3_options(self) -> None:
         """Raise `ValueError` naming the first option whose value cannot train a draft."""
@@ -82,6 +96,25 @@ class Eagle3TrainingOptions:
             )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be None or >= 1, got {self.draft_vocab_size!r}.")
+        check_loss(self.loss)
+        self._check_best_model_metric()
+
+    def _check_best_model_metric(self) -> None:
+        """Refuse a ``metric_for_best_model`` the evaluation never logs (Trainer would fail at the first evaluation,
+        after training steps were spent); the acceptance metrics are better when higher."""
+        metric = getattr(self, "metric_for_best_model", None)  # a TrainingArguments field, absent on the bare options
+        if metric is None:
+            return
+        name = metric.removeprefix("eval_")
+        steps = range(self.ttt_length)
+        known = ["loss", "sim_accept_len", "coverage", *(f"acc_{j}" for j in steps), *(f"loss_{j}" for j in steps)]
+        if name not in known:
+            raise ValueError(f"metric_for_best_model must be one of the evaluation metrics {known}; got {metric!r}.")
+        if name == "sim_accept_len" or name.startswith(("acc_", "coverage")):
+            if getattr(self, "greater_is_better", None) is False:
+                raise ValueError(f"metric_for_best_model={metric!r} is better when higher; greater_is_better=False "
+                                 "would keep the worst checkpoint.")  # fmt: skip
+            self.greater_is_better = True
 
 
 def check_deep_fraction(fraction: float) -> None:
@@ -90,3 +123,10 @@ def check_deep_fraction(fraction: float) -> None:
         raise ValueError(
             f"ttt_deep_fraction (the share of positions running deep TTT steps) must be in (0, 1], got {fraction!r}."
         )
+
+
+def check_loss(loss: object) -> str:
+    """Return `loss` if it names one of `LOSSES` (`eagle3_hf.training.losses`), else raise `ValueError` naming it."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}.")
+    return loss  # type: ignore[return-value]

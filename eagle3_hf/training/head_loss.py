@@ -14,6 +14,10 @@ every TTT step. `head_cross_entropy` instead
 * leaves the backward two matmuls, with the upstream per-row weights (the step's decay and mean) applied to the
   narrow ``[M, H]`` side instead of the ``[M, Vd]`` block.
 
+The other objectives of `eagle3_hf.training.losses` (``loss="tv"``, ``"lk"``) fuse the same way: each gives its
+row loss and the gradient of the logits in the form ``softmax(z) * scale - scatter(spread)`` from the logits at the
+label's columns and the logsumexp (`losses.support_terms`), so only those two lines of the chunk differ.
+
 The objective, and the rounding points of the bf16 path (logits in bf16, softmax in fp32, the gradient of the logits
 rounded to bf16 before the matmuls), are those of the separate ops; ``tests/test_train_fast_step.py`` checks loss and
 gradients against them.
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from eagle3_hf.training.distributed import routed_forward
+from eagle3_hf.training.losses import check_loss, row_losses, support_terms
 
 __all__ = ["fused_head_applies", "head_cross_entropy", "ttt_head_kwargs"]
 
@@ -67,6 +72,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         p: torch.Tensor,
         compute_dtype: torch.dtype,
         chunk_rows: int,
+        loss: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(rows.device.type, enabled=False):  # the dtypes below are chosen, not autocast's
             x = rows.detach().to(compute_dtype)  # [M, H]
@@ -92,17 +98,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 total = e.sum(-1)  # [c]
                 lse = top + total.log()
                 weights = p[part]  # [c, k] (sparse, at `columns`) or [c, Vd] (dense)
-                mass = weights.sum(-1)  # [c], 1 for a softmax label
                 if columns is None:
                     picked = z.to(wide)
                 else:
                     picked = z.gather(1, columns[part]).to(wide)  # [c, k]
-                row_loss[part] = mass * lse - (weights * picked).sum(-1)
-                e.mul_((mass / total)[:, None])  # softmax(z) * sum(p)
+                row_loss[part], scale, spread = support_terms(loss, picked, lse, weights)
+                e.mul_((scale / total)[:, None])  # softmax(z) * scale (the label's mass for the cross entropy)
                 if columns is None:
-                    e.sub_(weights)
+                    e.sub_(spread)
                 else:
-                    e.scatter_add_(1, columns[part], -weights)
+                    e.scatter_add_(1, columns[part], -spread)
                 grad_logits[part].copy_(e)
         ctx.save_for_backward(x, w, grad_logits)
         ctx.dtypes = (rows.dtype, weight.dtype)
@@ -125,7 +130,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 # [H, M] @ [M, Vd] with the small operand made contiguous (as for w_t), then transposed back.
                 scaled = (x.to(scale.dtype) * scale).to(x.dtype).T.contiguous()  # [H, M]
                 grad_weight = (scaled @ grad_logits).T.contiguous().to(weight_dtype)
-        return grad_rows, grad_weight, None, None, None, None
+        return grad_rows, grad_weight, None, None, None, None, None
 
 
 def fused_head_applies(head: torch.nn.Module) -> bool:
@@ -141,9 +146,10 @@ def head_cross_entropy(
     columns: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     chunk_rows: int | None = None,
+    loss: str = "forward_kl",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row soft cross entropy of the bias-free head ``rows @ weight.T``: ``(row_loss [M], argmax [M])``, the
-    loss in fp32 (or the compute dtype if wider).
+    """Per-row soft cross entropy (or another of `eagle3_hf.training.losses.LOSSES`) of the bias-free head
+    ``rows @ weight.T``: ``(row_loss [M], argmax [M])``, the loss in fp32 (or the compute dtype if wider).
 
     Args:
         rows: ``[M, H]`` head inputs.
@@ -155,6 +161,8 @@ def head_cross_entropy(
             default the weight's.
         chunk_rows: rows whose ``[rows, Vd]`` logits are worked on at a time (default 256 on a CPU, 4,096 on an
             accelerator).
+        loss: ``"forward_kl"`` (the cross entropy above), ``"tv"`` or ``"lk"`` (`eagle3_hf.training.losses`; for
+            these two `p`'s rows are distributions and a column repeats only where its weight is 0).
 
     The argmax is the draft's top id per row (no gradient). Differentiable with respect to `rows` and `weight`.
     """
@@ -172,23 +180,36 @@ def head_cross_entropy(
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}.")
     compute_dtype = compute_dtype or weight.dtype
     wide = torch.promote_types(compute_dtype, torch.float32)
-    return _HeadCrossEntropy.apply(rows, weight, columns, p.to(wide), compute_dtype, chunk_rows)
+    return _HeadCrossEntropy.apply(rows, weight, columns, p.to(wide), compute_dtype, chunk_rows, check_loss(loss))
 
 
 def ttt_head_kwargs(
-    lm_head: torch.nn.Module, autocast: Callable[[], AbstractContextManager[Any]], compute_dtype: torch.dtype | None
+    lm_head: torch.nn.Module,
+    autocast: Callable[[], AbstractContextManager[Any]],
+    compute_dtype: torch.dtype | None,
+    loss: str = "forward_kl",
 ) -> dict[str, Callable[..., Any]]:
     """The head argument of `ttt_loss`: the fused head and loss where it applies (a plain ``nn.Linear``), else the head
-    module on the supervised rows under the training's autocast (a LoRA-wrapped head, the reference path)."""
+    module on the supervised rows under the training's autocast (a LoRA-wrapped head, the reference path): given to
+    `ttt_loss` as its `head` for the cross entropy, or wrapped with `losses.row_losses` for another `loss`."""
+    check_loss(loss)
     if not fused_head_applies(lm_head):
         def head(rows: torch.Tensor) -> torch.Tensor:
             with autocast():
                 return lm_head(rows)
 
-        return {"head": head}
+        if loss == "forward_kl":
+            return {"head": head}
+
+        def reference(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            log_q = torch.log_softmax(head(rows).float(), dim=-1)  # [M, Vd]
+            picked = log_q if columns is None else log_q.gather(1, columns)
+            return row_losses(loss, picked, p), log_q.detach().max(-1).indices
+
+        return {"fused_head": reference}
 
     def run(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return head_cross_entropy(rows, lm_head.weight, p, columns, compute_dtype)
+        return head_cross_entropy(rows, lm_head.weight, p, columns, compute_dtype, loss=loss)
 
     def fused_head(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         with routed_forward(lm_head, run):  # through the module's own call, so that FSDP2 gathers its weight there

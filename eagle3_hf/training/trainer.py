@@ -64,7 +64,7 @@ __all__ = [
 @dataclass
 class Eagle3TrainingArguments(Eagle3TrainingOptions, TrainingArguments):
     """`TrainingArguments` plus the EAGLE-3 settings of `Eagle3TrainingOptions` (``ttt_length``, ``ttt_decay``,
-    ``feature_mode``, ``logits_top_k``, ``draft_vocab_size``, ``max_length``, ``build_draft_vocab``).
+    ``feature_mode``, ``logits_top_k``, ``draft_vocab_size``, ``max_length``, ``build_draft_vocab``, ``loss``).
 
     `remove_unused_columns` defaults to False (the batches carry ``loss_mask`` and features the draft's forward does
     not name).
@@ -305,7 +305,7 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
             )  # fmt: skip
             device = states[0].device.type
             compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        heads = ttt_head_kwargs(draft.lm_head, self.accelerator.autocast, compute_dtype)
+        heads = ttt_head_kwargs(draft.lm_head, self.accelerator.autocast, compute_dtype, self.args.loss)
         return ttt_loss(
             states, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
             target_ids=batch["target_top_ids"], deep_rows=deep_rows, **heads,
