@@ -9,12 +9,6 @@ LIMIT = 1_000_000  # bytes
 # path -> why it is in the tree; each entry also caps the file's size, so a larger replacement is seen.
 ALLOWED = {
     "eagle3_hf/drafts/smollm2-135m-instruct/model.safetensors": ("the shipped draft and the lineage's resume point", 30_000_000),
-    # The lineage's remaining checkpoints: they leave in a change of their own (a submission's diffs are bounded, and
-    # a deletion counts as the file's size), as docs/research/lineage.md says.
-    "examples/data/lineage/smollm2-15025/model.safetensors": ("the shipped draft's start; leaving", 30_000_000),
-    "examples/data/lineage/smollm2-17625/model.safetensors": ("a lineage checkpoint; leaving", 30_000_000),
-    "examples/data/lineage/smollm2-19625/model.safetensors": ("the shipped draft's own weights; leaving", 30_000_000),
-    "examples/data/lineage/smollm2-21725/model.safetensors": ("the lineage's newest checkpoint; leaving", 30_000_000),
 }
 
 

