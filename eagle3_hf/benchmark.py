@@ -40,6 +40,7 @@ from eagle3_hf.bench_report import (  # noqa: F401  (re-exported: the benchmark'
     format_table,
     plot_acceptance,
 )
+from eagle3_hf.modeling.chat_template import apply_chat_template
 from eagle3_hf.precision import short_name
 
 METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree")
@@ -92,9 +93,11 @@ def bench_configs(
     return configs
 
 
-def read_prompts(path: str, tokenizer: Any, num_prompts: int | None, every: int = 1) -> list[torch.Tensor]:
+def read_prompts(path: str, tokenizer: Any, num_prompts: int | None, every: int = 1,
+                 enable_thinking: bool | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Prompts from MT-bench `question.jsonl` (`turns`, first turn used) or JSONL with `prompt` or `messages`,
-    rendered with the tokenizer's chat template: every `every`-th record (MT-bench lists its 8 categories in
+    rendered with the tokenizer's chat template (its thinking switch `enable_thinking`; None: the template's
+    default): every `every`-th record (MT-bench lists its 8 categories in
     blocks of 10, so every 8th question covers them all), at most `num_prompts` of them."""
     if every < 1:
         raise ValueError(f"every must be >= 1 (take every n-th prompt), got {every}.")
@@ -121,7 +124,8 @@ def read_prompts(path: str, tokenizer: Any, num_prompts: int | None, every: int 
     if not prompts:
         raise ValueError(f"No prompts found in {path}.")
     return [
-        tokenizer.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        apply_chat_template(tokenizer, m, enable_thinking=enable_thinking, add_generation_prompt=True,
+                            return_tensors="pt", return_dict=True)["input_ids"]
         for m in prompts
     ]
 

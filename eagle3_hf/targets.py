@@ -222,11 +222,12 @@ def load_tokenised_data(
     max_conversations: int | None = None,
     select: Any = None,
     num_proc: int | None = None,
+    enable_thinking: bool | None = None,
 ) -> tuple[PreTrainedTokenizerBase, Any, Any]:
     """The target's tokenizer and `tokenise_data`'s (dataset, DataStats) for `data`: (tokenizer, dataset, stats).
 
     `select(conversation) -> bool` keeps only some conversations (e.g. `eagle3_hf.training.split.split_filter`);
-    `num_proc` processes tokenise them (default: this one)."""
+    `num_proc` processes tokenise them (default: this one); `enable_thinking` is the template's thinking switch."""
     tokenizer = load_tokenizer(target_name)
-    dataset, stats = tokenise_data(tokenizer, data, max_length, max_conversations, select, num_proc)
+    dataset, stats = tokenise_data(tokenizer, data, max_length, max_conversations, select, num_proc, enable_thinking)
     return tokenizer, dataset, stats

@@ -19,9 +19,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
-    "CommandParser", "OneLineErrors", "ShowDefaults", "apply_config", "is_main_process", "load_config_file", "say",
-    "split_config",
+    "THINKING_HELP", "CommandParser", "OneLineErrors", "ShowDefaults", "add_thinking_argument", "apply_config",
+    "is_main_process", "load_config_file", "say", "split_config",
 ]
+
+THINKING_HELP = (
+    "the chat template's thinking switch (Qwen3-style enable_thinking), passed to it for every prompt and "
+    "conversation: give the same one to regenerate, train and bench (they warn when it differs from what the data "
+    "was made with); left out: the template's default. A template without the switch ignores it, with a warning"
+)
 
 
 class OneLineErrors:
@@ -50,6 +56,11 @@ class CommandParser(OneLineErrors, argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", ShowDefaults)
         super().__init__(*args, **kwargs)
+
+
+def add_thinking_argument(parser: argparse.ArgumentParser) -> None:
+    """`--enable-thinking/--no-enable-thinking` (dest ``enable_thinking``: True, False, or None when neither)."""
+    parser.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None, help=THINKING_HELP)
 
 
 def is_main_process() -> bool:

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from eagle3_hf.commands import add_thinking_argument
 from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
 
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
@@ -39,6 +40,7 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--lookup-total-tokens", type=int, default=None,
                         help="lookup_tree size, root included (default 16)")  # fmt: skip
     add_exact_verify_argument(parser)
+    add_thinking_argument(parser)
     parser.add_argument("--batch-size", default=None,
                         help="comma-separated batch sizes (e.g. 1,4,8): the batched benchmark instead, plain batched "
                         "generate() in fp32 and bf16 against EAGLE-3 over left-padded batches of mixed-length prompts")
@@ -95,6 +97,18 @@ def _check_options(args: Any) -> tuple[str, ...]:
     return methods
 
 
+def draft_thinking_mismatch(draft: Any, enable_thinking: bool | None, name: str | None) -> str | None:
+    """A warning when the draft's training recorded another thinking setting than the benchmark's prompts use; None
+    when they agree or the draft recorded none (trained before the setting was recorded, or not by `train`)."""
+    from eagle3_hf.modeling.chat_template import THINKING_VARIABLE, thinking_mismatch
+
+    info = getattr(draft, "training_info", None) or {}
+    if THINKING_VARIABLE not in info:
+        return None
+    return thinking_mismatch(info[THINKING_VARIABLE], enable_thinking, f"The draft {name or '(shipped)'} was trained",
+                             "this benchmark renders its prompts")  # fmt: skip
+
+
 def run_cli(args: Any) -> int:
     methods = _check_options(args)
     if args.batch_size is not None:
@@ -133,7 +147,10 @@ def run_cli(args: Any) -> int:
     need_draft = any(c.method in DRAFT_METHODS for c in configs)
     targets, drafts, prepacked = load_models(args, spec_dtype, {c.dtype for c in configs}, need_draft)
     prompts_path = args.prompts or default_prompts_path()
-    prompts = read_prompts(prompts_path, load_tokenizer(args.target), args.num_prompts, args.every)
+    prompts = read_prompts(prompts_path, load_tokenizer(args.target), args.num_prompts, args.every,
+                           args.enable_thinking)  # fmt: skip
+    if warning := draft_thinking_mismatch(drafts.get(spec_dtype), args.enable_thinking, args.draft):
+        print(f"Warning: {warning}")
     tree_kwargs = {
         k: v
         for k, v in {
@@ -164,7 +181,8 @@ def run_cli(args: Any) -> int:
         "spec_dtype": short_name(spec_dtype), "prepacked": prepacked, "device": args.device,
         "prompts": f"{source}, every {args.every}th record" if args.every > 1 else f"{source}, all records",
         "every": args.every, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "temperature": args.temperature, **tree_kwargs,
+        "repeats": args.repeats, "temperature": args.temperature, "enable_thinking": args.enable_thinking,
+        **tree_kwargs,
         **{k: v for k, v in (("lookup_depth", args.lookup_depth), ("lookup_branches", args.lookup_branches),
                              ("lookup_total_tokens", args.lookup_total_tokens)) if v is not None},
     }  # fmt: skip
@@ -183,7 +201,9 @@ def run_cli(args: Any) -> int:
         shown = ("target", "draft", "every", "num_prompts", "max_new_tokens", "repeats")
         command = "eagle3-hf bench " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown
-        ) + f" --dtype {args.dtype}"
+        ) + f" --dtype {args.dtype}" + {None: "", True: " --enable-thinking", False: " --no-enable-thinking"}[
+            args.enable_thinking
+        ]
         print(f"Model card written to {write_bench_card(args.draft, report, bench_command=command)}")
     return 0
 
@@ -200,6 +220,7 @@ def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts:
     sizes = [int(size) for size in args.batch_size.split(",") if size.strip()]
     report = run_batch_benchmark(targets, draft, spec_dtype, prompts, sizes, args.max_new_tokens, tree_kwargs,
                                  args.repeats, pad_id or 0)  # fmt: skip
+    report["enable_thinking"] = args.enable_thinking
     report["environment"] = environment()
     table = format_batch_table(report)
     print(table)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from eagle3_hf.commands import say
+from eagle3_hf.commands import add_thinking_argument, say
 
 MT_BENCH = "mt-bench"  # stands for the MT-bench questions the benchmark reads by default
 
@@ -34,6 +34,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=64,
                         help="longest match a query can find, in tokens (the index is sorted this deep)")  # fmt: skip
     parser.add_argument("--num-proc", type=int, default=None, help="processes that tokenise (default: this one)")
+    add_thinking_argument(parser)
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --output file")
 
 
@@ -74,7 +75,8 @@ def run_cli(args: argparse.Namespace) -> int:
             "answers are in the corpus measures recall, not speed-up.")  # fmt: skip
     tokenizer = load_tokenizer(args.target)
     start = time.perf_counter()
-    documents, stats = corpus_documents(tokenizer, args.data, exclude=prompts, num_proc=args.num_proc)
+    documents, stats = corpus_documents(tokenizer, args.data, exclude=prompts, num_proc=args.num_proc,
+                                        enable_thinking=args.enable_thinking)  # fmt: skip
     tokenised = time.perf_counter() - start
     metadata = {"target": args.target, "target_hub_id": target_hub_id(args.target),
                 "data": [os.path.basename(os.path.normpath(p)) for p in args.data],

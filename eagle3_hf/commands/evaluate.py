@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from eagle3_hf.commands import say
+from eagle3_hf.commands import add_thinking_argument, say
 from eagle3_hf.model_card import EVALUATION_NAME, format_evaluation_table
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION
 
@@ -30,6 +30,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of conversations (by id hash) training held out (as in training)")  # fmt: skip
     parser.add_argument("--max-conversations", type=int, default=None, help="evaluate at most this many")
     parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: cut)")
+    add_thinking_argument(parser)
     parser.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (each scored)")
     parser.add_argument("--batch-size", type=int, default=4, help="conversations per forward")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -57,7 +58,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     try:
         select = split_filter(args.split, args.held_out_fraction)
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
+        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select,
+                                            enable_thinking=args.enable_thinking)  # fmt: skip
         if warning := emulated_bf16_warning(args.dtype, args.device):
             say(f"Warning: {warning}")
         dtype = getattr(torch, args.dtype)

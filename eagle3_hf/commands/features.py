@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_hf.commands import say
+from eagle3_hf.commands import add_thinking_argument, say
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_TOP_K, SPLITS
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -24,6 +24,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
                         help="share of conversations (by id hash) held out; must match training's")  # fmt: skip
     parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: truncated)")
+    add_thinking_argument(parser)
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
     parser.add_argument("--shard-size", type=int, default=256,
                         help="conversations per shard (the most work an interruption can lose)")  # fmt: skip
@@ -61,7 +62,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
             ) from None
     select = split_filter(args.split, args.held_out_fraction)
-    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select)
+    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select,
+                                        enable_thinking=args.enable_thinking)  # fmt: skip
     init_distributed_from_launcher()  # under torchrun / accelerate launch each process writes its share of shards
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=process_device(args.device),
                          device_map=check_device_map(args.device_map))  # fmt: skip

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from eagle3_hf.commands import add_thinking_argument
 from eagle3_hf.hub import LOOKUP_DRAFT, RANDOM_DRAFT, SHIPPED_DRAFTS, check_draft_option
 from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments
 
@@ -55,6 +56,7 @@ def add_cli_arguments(parser: Any) -> None:
     add_precision_arguments(parser)
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--no-compare", action="store_true", help="skip plain decoding (no speedup, no comparison)")
+    add_thinking_argument(parser)
     add_exact_verify_argument(parser)
 
 
@@ -107,6 +109,7 @@ def run_cli(args: Any) -> int:
     import torch
 
     from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.modeling.chat_template import apply_chat_template
     from eagle3_hf.modeling.packed_linear import prepack_linears
     from eagle3_hf.precision import resolve_dtype, short_name
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
@@ -137,8 +140,9 @@ def run_cli(args: Any) -> int:
             if i:
                 print()
             print(f">>> {prompt}")
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        ids = apply_chat_template(
+            tokenizer, [{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking,
+            add_generation_prompt=True, return_tensors="pt", return_dict=True,
         )["input_ids"].to(target.device)
         _run_prompt(target, draft, tokenizer, ids, dict(kwargs, attention_mask=torch.ones_like(ids)), args, dtype,
                     setup)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_hf.commands import say
+from eagle3_hf.commands import add_thinking_argument, say
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +36,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype the target runs in")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
+    add_thinking_argument(parser)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -62,7 +63,7 @@ def run_cli(args: argparse.Namespace) -> int:
     # The data set is known by its first conversation, whatever --skip-conversations leaves out.
     fingerprint = data_fingerprint(select_conversations(args.data, 0, 1, args.max_rounds), args.max_rounds)
     manifest = regenerate_manifest(fingerprint, args.max_new_tokens, args.do_sample, args.temperature,
-                                   args.max_prompt_length, args.seed)  # fmt: skip
+                                   args.max_prompt_length, args.seed, args.enable_thinking)  # fmt: skip
     check_manifest(args.output, MANIFEST_NAME, manifest, "answers")  # before the target is loaded
     model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     tokenizer = load_tokenizer(args.target)
@@ -70,6 +71,7 @@ def run_cli(args: argparse.Namespace) -> int:
         model, tokenizer, conversations, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample, temperature=args.temperature, shard_size=args.shard_size,
         max_prompt_length=args.max_prompt_length, seed=args.seed, fingerprint=fingerprint,
+        enable_thinking=args.enable_thinking,
     )
     say(f"{len(shards)} shards in {args.output}")
     return 0

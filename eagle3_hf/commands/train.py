@@ -21,7 +21,9 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from eagle3_hf.commands import OneLineErrors, ShowDefaults, apply_config, load_config_file, say, split_config
+from eagle3_hf.commands import (
+    THINKING_HELP, OneLineErrors, ShowDefaults, apply_config, load_config_file, say, split_config,
+)  # fmt: skip
 from eagle3_hf.commands.train_draft import build_draft
 from eagle3_hf.commands.train_checks import ARCHITECTURE_FLAGS, check_train_arguments, resume_checkpoint
 from eagle3_hf.commands.vocab import draft_vocab_size_arg
@@ -45,6 +47,7 @@ class TrainCommandArguments:
         default=None, metadata={"help": "folders written by `eagle3-hf features` (offline); several are joined"}
     )
     max_conversations: int | None = field(default=None, metadata={"help": "read at most this many conversations"})
+    enable_thinking: bool | None = field(default=None, metadata={"help": THINKING_HELP + " (online features)"})
     tokenize_num_proc: int | None = field(
         default=None, metadata={"help": "processes that tokenise the conversations (default: this one)"}
     )
@@ -165,7 +168,9 @@ def quick_help() -> str:
                + ", ".join(f"{a} = --{d.replace('_', '-')}" for a, d in ALIASES.items())
                + ". --config FILE (JSON or YAML) may hold any option, required ones included; flags given here win.",
     )  # fmt: skip
-    _add_fields(parser.add_argument_group("eagle3-hf train options"), TrainCommandArguments)
+    ours = parser.add_argument_group("eagle3-hf train options")
+    _add_fields(ours, TrainCommandArguments)
+    _add_no_thinking(ours)
     _add_fields(parser.add_argument_group("EAGLE-3 training options (Eagle3TrainingArguments)"), Eagle3TrainingOptions)
     parser.add_argument("--config", help="JSON/YAML file of option values (flags given here win)")
     parser.add_argument("--help-all", action="store_true", help="list every option, TrainingArguments' included")
@@ -190,7 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     _action(parser, "draft_vocab_size").type = draft_vocab_size_arg  # a size, or "auto" (chosen by coverage)
     for flag in ARCHITECTURE_FLAGS:  # `--fc-norm` alone says true; left out, None: the draft's own, when it has one
         _action(parser, flag).nargs, _action(parser, flag).const = "?", True
+    _action(parser, "enable_thinking").nargs, _action(parser, "enable_thinking").const = "?", True
+    _add_no_thinking(parser)
     return parser
+
+
+def _add_no_thinking(parser: Any) -> None:
+    """`--no-enable-thinking`, as the other commands have it (argparse.BooleanOptionalAction); `--enable-thinking`
+    comes from the dataclass field, so that a --config file may hold it too."""
+    parser.add_argument("--no-enable-thinking", dest="enable_thinking", action="store_const", const=False,
+                        default=argparse.SUPPRESS, help="the same as --enable-thinking false")  # fmt: skip
 
 
 def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
@@ -261,7 +275,8 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
         say(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
         return dataset, OfflineFeatureDataset(args.eval_features) if args.eval_features else None, dataset
     _, everything, _ = load_tokenised_data(
-        args.target, args.data, training_args.max_length, args.max_conversations, num_proc=args.tokenize_num_proc
+        args.target, args.data, training_args.max_length, args.max_conversations, num_proc=args.tokenize_num_proc,
+        enable_thinking=args.enable_thinking,
     )
     dataset, held_out = split_held_out(everything, args.held_out_fraction)
     say(f"Held out {len(held_out)} of {len(everything)} conversations (by id hash) from training.")
@@ -307,6 +322,9 @@ def run_cli(args: argparse.Namespace) -> int:
         "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
         "ttt_length": training_args.ttt_length,
         "loss": training_args.loss,
+        # how the chat template rendered the conversations (bench checks its prompts against it); offline features
+        # were rendered by `eagle3-hf features`, whose setting is not known here
+        **({} if offline else {"enable_thinking": args.enable_thinking}),
         # below 1, the share of positions that ran TTT steps 1..K-1 (eagle3_hf.training.ttt_rows)
         **({"ttt_deep_fraction": training_args.ttt_deep_fraction} if training_args.ttt_deep_fraction < 1 else {}),
     }

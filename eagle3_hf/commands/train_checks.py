@@ -62,6 +62,10 @@ def check_train_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-train-epochs must be > 0 when --max-steps is not given, got {args.num_train_epochs}.")
     if not math.isfinite(args.learning_rate) or args.learning_rate < 0:
         raise ValueError(f"--learning-rate must be a finite number >= 0, got {args.learning_rate}.")
+    if args.features is not None and getattr(args, "enable_thinking", None) is not None:
+        flag = "--enable-thinking" if args.enable_thinking else "--no-enable-thinking"
+        raise ValueError(f"{flag} sets how train renders --data conversations; offline --features were rendered by "
+                         f"`eagle3-hf features`: give {flag} there.")  # fmt: skip
     if args.tokenize_num_proc is not None and args.tokenize_num_proc < 1:
         raise ValueError(f"--tokenize-num-proc must be >= 1 (processes), got {args.tokenize_num_proc}.")
     if args.save_total_limit is not None and args.save_total_limit < 0:

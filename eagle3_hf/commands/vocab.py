@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_hf.commands import say
+from eagle3_hf.commands import add_thinking_argument, say
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE
 
 
@@ -47,6 +47,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     add_vocab_size_arguments(parser, default="auto")
     parser.add_argument("--max-length", type=int, default=2048,
                         help="tokens per conversation counted (longer: truncated)")  # fmt: skip
+    add_thinking_argument(parser)
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --output file")
 
@@ -60,7 +61,8 @@ def run_cli(args: argparse.Namespace) -> int:
     from eagle3_hf.targets import load_tokenised_data, resolve_target
     from eagle3_hf.training.vocab import save_draft_vocab, select_draft_vocab
 
-    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations,
+                                      enable_thinking=args.enable_thinking)  # fmt: skip
     # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
     directory, gguf_file = resolve_target(args.target)
     config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))

@@ -14,6 +14,7 @@ benchmark measure recall, not speed-up. The caller names the prompts (`exclude`,
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
@@ -21,6 +22,9 @@ from typing import Any
 
 from eagle3_hf.training.data import build_dataset, read_conversations
 from eagle3_hf.training.prompt_selection import exclude_prompts
+from eagle3_hf.training.regenerate import regenerated_thinking_mismatch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CorpusStats", "answer_spans", "corpus_documents"]
 
@@ -53,21 +57,26 @@ def answer_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def corpus_documents(tokenizer: Any, data: str | os.PathLike | Sequence[str | os.PathLike], *,
-                     exclude: Collection[str], num_proc: int | None = None,
+                     exclude: Collection[str], num_proc: int | None = None, enable_thinking: bool | None = None,
                      ) -> tuple[list[list[int]], CorpusStats]:  # fmt: skip
     """The token ids of every assistant answer in `data` (one source or several, as `read_conversations` reads
     them), tokenised with `tokenizer` as training does, leaving out each conversation with a user turn among
-    `exclude` (normalised prompts; pass an empty set to keep every one). Returns (documents, CorpusStats).
+    `exclude` (normalised prompts; pass an empty set to keep every one) and rendering with the template's thinking
+    switch `enable_thinking` (None: its default). Returns (documents, CorpusStats).
 
     Raises `ValueError` when no answer is left."""
     sources = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    for source in sources:
+        if warning := regenerated_thinking_mismatch(source, enable_thinking):
+            logger.warning(warning)
     conversations = [c for source in sources for c in read_conversations(source)]
     stats = CorpusStats(conversations_read=len(conversations))
     conversations, stats.conversations_excluded = exclude_prompts(conversations, set(exclude))
     if not conversations:
         raise ValueError(f"No conversation is left of the {stats.conversations_read} read from {sources}: every one "
                          "asks an evaluation prompt (or there were none).")  # fmt: skip
-    dataset, _ = build_dataset(conversations, tokenizer, max_length=_WHOLE, num_proc=num_proc)
+    dataset, _ = build_dataset(conversations, tokenizer, max_length=_WHOLE, num_proc=num_proc,
+                               enable_thinking=enable_thinking)  # fmt: skip
     documents = [ids[start:end] for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
                  for start, end in answer_spans(mask)]  # fmt: skip
     stats.answers, stats.tokens = len(documents), sum(map(len, documents))

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from eagle3_hf.modeling.chat_template import apply_chat_template
 from eagle3_hf.training.data_files import (  # noqa: F401 (DATA_SUFFIXES, is_dataset_id: re-exported)
     DATA_SUFFIXES, is_dataset_id, not_utf8_error, read_records,
 )
@@ -179,17 +180,19 @@ def _chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
     return template
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False,
+            enable_thinking: bool | None = None) -> str:  # fmt: skip
+    return apply_chat_template(tokenizer, messages, enable_thinking=enable_thinking, tokenize=False,
+                               add_generation_prompt=add_generation_prompt)  # fmt: skip
 
 
-def _opening_header(tokenizer: PreTrainedTokenizerBase, message: dict) -> str:
+def _opening_header(tokenizer: PreTrainedTokenizerBase, message: dict, enable_thinking: bool | None = None) -> str:
     """The text a template puts before the content of a conversation's first message (system prompt, role header).
 
     An empty conversation cannot be rendered, so the first message is rendered with a placeholder for its content.
     """
     placeholder = "EAGLE3HFPLACEHOLDER"
-    text = _render(tokenizer, [{**message, "content": placeholder}])
+    text = _render(tokenizer, [{**message, "content": placeholder}], enable_thinking=enable_thinking)
     if placeholder not in text:
         raise ValueError(
             f"The chat template of {tokenizer.name_or_path!r} does not render a message's content verbatim, so "
@@ -199,23 +202,27 @@ def _opening_header(tokenizer: PreTrainedTokenizerBase, message: dict) -> str:
     return text[: text.index(placeholder)]
 
 
-def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                         enable_thinking: bool | None = None) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
     """Render `messages` and locate each assistant turn in the text by rendering progressively.
 
     The assistant text of turn ``i`` is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the generation
     prompt, cut after the last eos token in it. This needs the template to be prefix-stable (rendering more messages
-    only appends text); a `ValueError` says so when it is not.
+    only appends text); a `ValueError` says so when it is not. `enable_thinking`: see
+    `eagle3_hf.modeling.chat_template`.
     """
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, enable_thinking=enable_thinking)
     eos = tokenizer.eos_token
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = (
-            _render(tokenizer, messages[:i], add_generation_prompt=True) if i else _opening_header(tokenizer, message)
+            _render(tokenizer, messages[:i], add_generation_prompt=True, enable_thinking=enable_thinking)
+            if i
+            else _opening_header(tokenizer, message, enable_thinking)
         )
-        through = _render(tokenizer, messages[: i + 1])
+        through = _render(tokenizer, messages[: i + 1], enable_thinking=enable_thinking)
         if not (through.startswith(before) and text.startswith(through)):
             raise ValueError(
                 f"The chat template of {tokenizer.name_or_path!r} is not prefix-stable: rendering the first {i + 1} "
@@ -248,9 +255,10 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int, enable_thinking: bool | None = None
 ) -> dict[str, list[int] | int]:
-    """Tokenise one conversation with the tokenizer's own chat template.
+    """Tokenise one conversation with the tokenizer's own chat template (`enable_thinking`: see
+    `eagle3_hf.modeling.chat_template`).
 
     Returns ``input_ids``, ``loss_mask`` (1 on assistant tokens, see the module docstring), ``attention_mask`` and
     ``num_tokens_cut``, the number of tokens dropped from the end to fit `max_length`.
@@ -259,8 +267,9 @@ def tokenize_conversation(
         raise ValueError(f"max_length must be >= 1, got {max_length}.")
     template = _chat_template(tokenizer)
     if has_generation_markers(template):
-        encoded = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        encoded = apply_chat_template(
+            tokenizer, messages, enable_thinking=enable_thinking, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True,
         )
         input_ids, loss_mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
         # transformers fills the mask silently (all zeros) when the markers produce no span; catch it here.
@@ -275,7 +284,7 @@ def tokenize_conversation(
                 f"Locating assistant tokens needs a fast tokenizer (character offsets); {type(tokenizer).__name__} "
                 "is not one."
             )
-        text, spans = assistant_char_spans(tokenizer, messages)
+        text, spans = assistant_char_spans(tokenizer, messages, enable_thinking)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids, loss_mask = list(encoded["input_ids"]), _mask_from_spans(encoded["offset_mapping"], spans)
     cut = max(0, len(input_ids) - max_length)
@@ -317,12 +326,14 @@ def build_dataset(
     tokenizer: PreTrainedTokenizerBase,
     max_length: int,
     num_proc: int | None = None,
+    enable_thinking: bool | None = None,
 ) -> tuple[Dataset, DataStats]:
     """Tokenise conversations into a `Dataset` with columns ``id``, ``input_ids``, ``loss_mask``, ``attention_mask``.
 
     `conversations` may be the output of `read_conversations`, raw records in any accepted format, or a `Dataset`
     of either. Conversations without an assistant turn are skipped and counted; if none has one, a `ValueError` is
     raised. Conversations longer than `max_length` tokens are truncated (the official recipe drops them instead).
+    `enable_thinking` is the template's thinking switch (`eagle3_hf.modeling.chat_template`; None: its default).
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}.")
@@ -338,7 +349,7 @@ def build_dataset(
         )
 
     def tokenize(row: dict) -> dict:
-        return tokenize_conversation(tokenizer, row["messages"], max_length)
+        return tokenize_conversation(tokenizer, row["messages"], max_length, enable_thinking)
 
     dataset = Dataset.from_list(rows).map(
         tokenize, remove_columns=["messages"], num_proc=num_proc, desc="Tokenizing conversations"

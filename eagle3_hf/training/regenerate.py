@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from eagle3_hf.modeling.chat_template import apply_chat_template, thinking_mismatch
 from eagle3_hf.training.data import as_conversations, read_conversations
 from eagle3_hf.training.manifest import check_manifest, write_manifest
 
@@ -38,7 +39,8 @@ _SHAREGPT_SPEAKER = {"system": "system", "user": "human", "assistant": "gpt"}
 MANIFEST_NAME = ".regenerate.json"  # hidden: reading the folder as data skips it
 
 __all__ = [
-    "MANIFEST_NAME", "data_fingerprint", "list_shards", "prompt_rounds", "regenerate_manifest", "regenerate_responses"
+    "MANIFEST_NAME", "data_fingerprint", "list_shards", "prompt_rounds", "regenerate_manifest", "regenerate_responses",
+    "regenerated_thinking_mismatch",
 ]
 
 
@@ -113,14 +115,32 @@ def data_fingerprint(conversations: list[dict], max_rounds: int | None = None) -
 
 
 def regenerate_manifest(fingerprint: str, max_new_tokens: int, do_sample: bool, temperature: float,
-                        max_prompt_length: int, seed: int) -> dict:  # fmt: skip
+                        max_prompt_length: int, seed: int, enable_thinking: bool | None = None) -> dict:  # fmt: skip
     """The ``.regenerate.json`` of a run: its data and the settings its answers depend on (batch and shard sizes
-    change only how the work is split)."""
+    change only how the work is split). ``enable_thinking`` None (the template's default) is also what a manifest
+    written before the setting was recorded means, so such a folder continues under the default."""
     return {
         "format": 1, "data": fingerprint, "max_new_tokens": max_new_tokens, "do_sample": do_sample,
         "temperature": temperature if do_sample else None, "seed": seed if do_sample else None,
-        "max_prompt_length": max_prompt_length,
+        "max_prompt_length": max_prompt_length, "enable_thinking": enable_thinking,
     }  # fmt: skip
+
+
+def regenerated_thinking_mismatch(source: object, enable_thinking: bool | None) -> str | None:
+    """A warning when `source` is a folder written by `regenerate_responses` with another thinking setting than
+    `enable_thinking` (the one a training run renders its conversations with); None otherwise, and for any other
+    source (a file, a Hub id, a folder without a readable manifest: nothing records how it was made)."""
+    path = os.path.join(source, MANIFEST_NAME) if isinstance(source, (str, os.PathLike)) else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # reading the data will say what is wrong with the folder, if anything
+    recorded = manifest.get("enable_thinking") if isinstance(manifest, dict) else None
+    return thinking_mismatch(recorded, enable_thinking, f"The answers in {os.fspath(source)!r} were regenerated",
+                             "this run renders them")  # fmt: skip
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -149,6 +169,7 @@ def _regenerate_shard(
     max_prompt_length: int,
     generate_kwargs: dict,
     progress: tqdm,
+    enable_thinking: bool | None = None,
 ) -> list[dict]:
     """Answer every round of every conversation, one round at a time across the shard so that answers batch."""
     rounds = [prompt_rounds(c["messages"]) for c in conversations]
@@ -160,7 +181,8 @@ def _regenerate_shard(
             if not active[i] or step >= len(conversation_rounds):
                 continue
             messages = histories[i] + conversation_rounds[step]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = apply_chat_template(tokenizer, messages, enable_thinking=enable_thinking, tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > max_prompt_length:
                 # Stop this conversation here: its later rounds would be longer still.
@@ -210,6 +232,7 @@ def regenerate_responses(
     max_prompt_length: int = 2048,
     seed: int = 0,
     fingerprint: str | None = None,
+    enable_thinking: bool | None = None,
 ) -> list[str]:
     """Regenerate the assistant turns of `conversations` with `model`; return the paths of all complete shards.
 
@@ -226,6 +249,9 @@ def regenerate_responses(
         fingerprint: what identifies the data set (`data_fingerprint` of the whole data, as `eagle3-hf regenerate`
             passes); default: `data_fingerprint(conversations)`. A folder holding answers to another data set, or
             made with other generation settings, is refused with a `ValueError`.
+        enable_thinking: the chat template's thinking switch for the prompts (`eagle3_hf.modeling.chat_template`;
+            None: the template's default), recorded in the manifest so that training can check it renders the
+            answers the same way.
 
     The tokenizer's padding side is set to left (and its pad token to eos when it has none) during the call.
     """
@@ -242,7 +268,7 @@ def regenerate_responses(
     output_dir = os.fspath(output_dir)
     conversations = _unique_ids(as_conversations(conversations))
     manifest = regenerate_manifest(fingerprint or data_fingerprint(conversations), max_new_tokens, do_sample,
-                                   temperature, max_prompt_length, seed)  # fmt: skip
+                                   temperature, max_prompt_length, seed, enable_thinking)  # fmt: skip
     has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "answers")
     os.makedirs(output_dir, exist_ok=True)
     if not has_manifest:
@@ -283,7 +309,7 @@ def regenerate_responses(
                     torch.manual_seed(seed + next_index)
                     records = _regenerate_shard(
                         model, tokenizer, pending[start : start + shard_size], batch_size, max_prompt_length,
-                        generate_kwargs, progress,
+                        generate_kwargs, progress, enable_thinking,
                     )
                 if records:
                     written.append(_write_shard(output_dir, next_index, records))

@@ -6,6 +6,7 @@ tokenizer is passed in, so that loading it by target name stays with target load
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,9 @@ from typing import Any
 from datasets import Dataset
 
 from eagle3_hf.training.data import DataStats, build_dataset, read_conversations
+from eagle3_hf.training.regenerate import regenerated_thinking_mismatch
+
+logger = logging.getLogger(__name__)
 
 
 def tokenise_data(
@@ -22,12 +26,16 @@ def tokenise_data(
     max_conversations: int | None = None,
     select: Callable[[dict], bool] | None = None,
     num_proc: int | None = None,
+    enable_thinking: bool | None = None,
 ) -> tuple[Dataset, DataStats]:
     """Read conversations from one source or several (taken in the order given, keeping those `select` accepts,
     then cut to `max_conversations`), render them with `tokenizer`'s chat template in `num_proc` processes (default:
-    this one); return (dataset, DataStats)."""
+    this one); return (dataset, DataStats). `enable_thinking` is the template's thinking switch (None: its
+    default); a source written by `eagle3-hf regenerate` with another setting is warned about."""
     conversations: list[dict] = []
     for source in [data] if isinstance(data, str) else data:
+        if warning := regenerated_thinking_mismatch(source, enable_thinking):
+            logger.warning(warning)
         left = None if max_conversations is None else max_conversations - len(conversations)
         if select is None:
             conversations += read_conversations(source, limit=left)
@@ -38,7 +46,8 @@ def tokenise_data(
             f"No conversation in {data} belongs to the requested split (held-out conversations are chosen by a hash "
             "of their id, about 2% of them): give more data, or another split."
         )
-    dataset, stats = build_dataset(conversations, tokenizer, max_length, num_proc=num_proc)
+    dataset, stats = build_dataset(conversations, tokenizer, max_length, num_proc=num_proc,
+                                   enable_thinking=enable_thinking)  # fmt: skip
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every process reads the data: one says so
         print(
             f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} "
