@@ -179,3 +179,21 @@ def test_train_command_records_the_setting(chat_target, tmp_path):
     assert cli_main(["train", "--target", str(folder), "--data", str(data), "--max-steps", "1", "--ttt-length", "1",
                      "--draft-vocab-size", "40", "--output", str(out), "--no-enable-thinking"]) == 0  # fmt: skip
     assert json.loads((out / "training_info.json").read_text())["enable_thinking"] is False
+
+
+def test_offline_features_record_the_setting_and_train_takes_it(chat_target, tmp_path):
+    from eagle3_hf.cli import main as cli_main
+    from eagle3_hf.commands.train import _thinking_info
+
+    folder, data = chat_target
+    features = tmp_path / "features"
+    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(features),
+                     "--no-enable-thinking", "--logits-top-k", "8"]) == 0  # fmt: skip
+    assert json.loads((features / "features.json").read_text())["enable_thinking"] is False
+    out = tmp_path / "run"
+    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--max-steps", "1",
+                     "--ttt-length", "1", "--draft-vocab-size", "40", "--output", str(out)]) == 0  # fmt: skip
+    assert json.loads((out / "training_info.json").read_text())["enable_thinking"] is False
+    # folders that disagree, or one written before the setting was recorded: nothing is recorded
+    for manifests in ([{"enable_thinking": True}, {"enable_thinking": None}], [{"enable_thinking": None}, {}]):
+        assert _thinking_info(SimpleNamespace(), SimpleNamespace(manifests=manifests), offline=True) == {}

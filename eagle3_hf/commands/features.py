@@ -69,7 +69,7 @@ def run_cli(args: argparse.Namespace) -> int:
                          device_map=check_device_map(args.device_map))  # fmt: skip
     shards = precompute_features(
         target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,
-        dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size,
+        dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size, enable_thinking=args.enable_thinking,
     )  # fmt: skip
     say(f"{len(shards)} shards in {args.output}")
     return 0

@@ -285,6 +285,20 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
     return dataset, held_out if evaluate else None, everything
 
 
+def _thinking_info(args: argparse.Namespace, dataset: Any, offline: bool) -> dict[str, bool | None]:
+    """``{"enable_thinking": ...}`` for training_info: this run's flag, or offline, what `eagle3-hf features`
+    recorded, when every features folder recorded the same one (none: nothing is known, nothing recorded)."""
+    if not offline:
+        return {"enable_thinking": args.enable_thinking}
+    settings = {m.get("enable_thinking") for m in dataset.manifests}
+    if len(settings) > 1:
+        say(f"Warning: the --features folders were rendered with different thinking settings "
+            f"({', '.join(map(str, settings))}); the draft records none.")  # fmt: skip
+    if len(settings) == 1 and all("enable_thinking" in m for m in dataset.manifests):
+        return {"enable_thinking": settings.pop()}
+    return {}
+
+
 def run_cli(args: argparse.Namespace) -> int:
     check_train_arguments(args)
     checkpoint = args.resume_from_checkpoint
@@ -322,9 +336,8 @@ def run_cli(args: argparse.Namespace) -> int:
         "datasets": [s for s in sources if is_dataset_id(s) and not os.path.exists(s)] or None,
         "ttt_length": training_args.ttt_length,
         "loss": training_args.loss,
-        # how the chat template rendered the conversations (bench checks its prompts against it); offline features
-        # were rendered by `eagle3-hf features`, whose setting is not known here
-        **({} if offline else {"enable_thinking": args.enable_thinking}),
+        # how the chat template rendered the conversations (bench checks its prompts against it)
+        **_thinking_info(args, dataset, offline),
         # below 1, the share of positions that ran TTT steps 1..K-1 (eagle3_hf.training.ttt_rows)
         **({"ttt_deep_fraction": training_args.ttt_deep_fraction} if training_args.ttt_deep_fraction < 1 else {}),
     }

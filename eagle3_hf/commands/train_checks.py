@@ -65,7 +65,7 @@ def check_train_arguments(args: argparse.Namespace) -> None:
     if args.features is not None and getattr(args, "enable_thinking", None) is not None:
         flag = "--enable-thinking" if args.enable_thinking else "--no-enable-thinking"
         raise ValueError(f"{flag} sets how train renders --data conversations; offline --features were rendered by "
-                         f"`eagle3-hf features`: give {flag} there.")  # fmt: skip
+                         f"`eagle3-hf features` (its features.json records how): give {flag} there.")  # fmt: skip
     if args.tokenize_num_proc is not None and args.tokenize_num_proc < 1:
         raise ValueError(f"--tokenize-num-proc must be >= 1 (processes), got {args.tokenize_num_proc}.")
     if args.save_total_limit is not None and args.save_total_limit < 0:

@@ -110,6 +110,7 @@ class OfflineFeatureDataset(TorchDataset):
         self.folders = [part.folder for part in self._parts]
         self.folder = ", ".join(self.folders)
         self.manifest = first.manifest
+        self.manifests = [part.manifest for part in self._parts]  # each folder's, in order
         self.layer_ids: list[int] = list(first.manifest["layer_ids"])
         self.top_k = int(first.manifest["logits_top_k"])
         self._starts = [0]  # index of each folder's first row in the joined data set

@@ -174,6 +174,7 @@ def precompute_features(
     top_k: int = DEFAULT_TOP_K,
     dtype: torch.dtype = torch.bfloat16,
     batch_size: int = 1,
+    enable_thinking: bool | None = None,
 ) -> list[str]:
     """Run `target` over tokenised rows and write the features to safetensors shards in `output_dir`.
 
@@ -185,6 +186,9 @@ def precompute_features(
             (capped at the vocabulary size). Train with the same `logits_top_k` online for the same soft labels.
         dtype: storage dtype of taps and logits (bfloat16 halves the disk; float32 reproduces online features).
         batch_size: rows per target forward (right-padded; each row is stored at its own length).
+        enable_thinking: the chat template's thinking switch the rows were rendered with (None: its default),
+            recorded in the manifest for `eagle3-hf train` to record in turn; the rows' fingerprint already tells
+            their data apart, so a rerun is not checked against it.
 
     The disk size is estimated and printed first; if the free space cannot hold what remains to be written a
     `ValueError` is raised before anything is written. Rerunning with the same arguments skips complete shards;
@@ -236,8 +240,9 @@ def precompute_features(
         "dtype": dtype_name,
         "target": getattr(target.config, "_name_or_path", None) or None,
         "fingerprint": digest.hexdigest(),
+        "enable_thinking": enable_thinking,
     }
-    has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "features", ignore=("target",))
+    has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "features", ignore=("target", "enable_thinking"))
     if not has_manifest and os.path.isdir(output_dir) and any(n.startswith("shard_") for n in os.listdir(output_dir)):
         raise ValueError(f"{output_dir!r} holds shards but no {MANIFEST_NAME}; use an empty folder.")
 
