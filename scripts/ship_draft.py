@@ -34,13 +34,11 @@ def main() -> int:
             steps = json.load(f).get("global_step") + args.steps_before
     # `eagle3-hf train` records the run's TTT length in training_info.json (the last run's, if it was resumed)
     ttt = (draft.training_info or {}).get("ttt_length")
-    deep_fraction = (draft.training_info or {}).get("ttt_deep_fraction")  # recorded only when below 1
     info = {
         "target_revision": args.target_revision,
         "data": args.data,
         "steps": steps,
         "ttt_length": ttt,
-        **({"ttt_deep_fraction": deep_fraction} if deep_fraction is not None else {}),
         "training_hardware": args.training_hardware,
         "command": args.command,
     }

@@ -338,8 +338,6 @@ def run_cli(args: argparse.Namespace) -> int:
         "loss": training_args.loss,
         # how the chat template rendered the conversations (bench checks its prompts against it)
         **_thinking_info(args, dataset, offline),
-        # below 1, the share of positions that ran TTT steps 1..K-1 (eagle3_hf.training.ttt_rows)
-        **({"ttt_deep_fraction": training_args.ttt_deep_fraction} if training_args.ttt_deep_fraction < 1 else {}),
     }
     output_dir = training_args.output_dir
     # The earlier run's checkpoints go once training has begun, so that a mistake found before then deletes nothing.

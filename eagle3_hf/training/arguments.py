@@ -11,7 +11,7 @@ from typing import Literal
 
 __all__ = [
     "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "LOSSES", "SPLITS", "Eagle3TrainingOptions",
-    "check_deep_fraction", "check_loss",
+    "check_loss",
 ]
 
 # Defaults shared by the training modules and the command line, kept here so that reading them imports nothing.
@@ -29,10 +29,6 @@ class Eagle3TrainingOptions:
     Args:
         ttt_length: TTT steps K per position (step j predicts the token j+2 ahead of its feature).
         ttt_decay: weight of step j in the loss is ``ttt_decay**j``.
-        ttt_deep_fraction: share of the positions (per row, among those a deep step supervises) at which TTT steps
-            ``1..K-1`` run in training, sampled afresh each batch; step 0 runs on all. 1 (default) unrolls every
-            position; below 1 the draft's work per conversation drops to about ``1 + fraction * (K - 1)`` steps
-            (`eagle3_hf.training.ttt_rows`). Evaluation always unrolls every position.
         feature_mode: "online" (run the frozen target every step) or "offline" (batches carry precomputed
             ``target_hidden_states`` / ``target_top_logits`` / ``target_top_ids``, e.g. from `OfflineFeatureDataset`).
         logits_top_k: online features keep the target's `logits_top_k` largest logits per position, as offline
@@ -53,11 +49,6 @@ class Eagle3TrainingOptions:
 
     ttt_length: int = field(default=7, metadata={"help": "TTT steps per position (step j predicts j+2 ahead)"})
     ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of TTT step j is ttt_decay**j"})
-    ttt_deep_fraction: float = field(
-        default=1.0,
-        metadata={"help": "share of positions, sampled each batch, that run TTT steps 1..K-1 in training (step 0 runs "
-                          "on all; 1: every position)"},
-    )
     feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
     logits_top_k: int = field(
         default=DEFAULT_TOP_K, metadata={"help": "target logits per token the soft labels are built from (online; "
@@ -84,7 +75,6 @@ class Eagle3TrainingOptions:
             raise ValueError(f"ttt_length must be a positive integer, got {self.ttt_length!r}.")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay!r}.")
-        check_deep_fraction(self.ttt_deep_fraction)
         if self.feature_mode not in ("online", "offline"):
             raise ValueError(f"feature_mode must be 'online' or 'offline', got {self.feature_mode!r}.")
         if not isinstance(self.logits_top_k, int) or self.logits_top_k < 1:
@@ -115,14 +105,6 @@ class Eagle3TrainingOptions:
                 raise ValueError(f"metric_for_best_model={metric!r} is better when higher; greater_is_better=False "
                                  "would keep the worst checkpoint.")  # fmt: skip
             self.greater_is_better = True
-
-
-def check_deep_fraction(fraction: float) -> None:
-    """Raise `ValueError` unless `fraction` (``ttt_deep_fraction``) is a number in ``(0, 1]``."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(
-            f"ttt_deep_fraction (the share of positions running deep TTT steps) must be in (0, 1], got {fraction!r}."
-        )
 
 
 def check_loss(loss: object) -> str:

@@ -44,7 +44,6 @@ from eagle3_hf.training.features import _base_draft, online_features
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
-from eagle3_hf.training.ttt_rows import sample_deep_rows
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
@@ -295,20 +294,17 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
     # --------------------------------------------------------------------------------------------------------------
     # loss
     def _ttt(self, draft: Eagle3DraftModel, **batch: torch.Tensor) -> TTTOutput:
-        deep_rows = None
-        if draft.training and self.args.ttt_deep_fraction < 1 and self.args.ttt_length > 1:
-            deep_rows = sample_deep_rows(batch["loss_mask"], self.args.ttt_length, self.args.ttt_deep_fraction)
         with self.accelerator.autocast():  # accelerate's own autocast wrapper sits on the forward we bypass
             states = ttt_forward(
                 draft, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length,
-                return_hidden=True, deep_rows=deep_rows,
+                return_hidden=True,
             )  # fmt: skip
             device = states[0].device.type
             compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         heads = ttt_head_kwargs(draft.lm_head, self.accelerator.autocast, compute_dtype, self.args.loss)
         return ttt_loss(
             states, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
-            target_ids=batch["target_top_ids"], deep_rows=deep_rows, **heads,
+            target_ids=batch["target_top_ids"], **heads,
         )  # fmt: skip
 
     def compute_loss(

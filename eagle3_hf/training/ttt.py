@@ -32,8 +32,7 @@ Cost: the head over a 16k-id draft vocabulary and its softmax are most of a step
 out-of-vocabulary positions need them, so training runs the head inside the loss on the rows that carry loss
 (``ttt_forward(return_hidden=True)`` + ``ttt_loss(head=...)``), and top-k soft labels stay sparse (``[M, k]``).
 The trainer goes one step further (``ttt_loss(fused_head=...)``, `eagle3_hf.training.head_loss`): one call runs the
-head and the loss over every step's rows at once, with the same loss and gradients. ``deep_rows`` runs steps
-``1..K-1`` only at sampled positions, exactly (`eagle3_hf.training.ttt_rows`, the trainer's ``ttt_deep_fraction``).
+head and the loss over every step's rows at once, with the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt_layer import routed_layer_step
-from eagle3_hf.training.ttt_rows import DeepRows, check_deep_rows, deep_step_selection, deep_step_tokens, take_deep_rows
 
 # (rows [M, H], p [M, k] or [M, Vd], columns [M, k] or None) -> (row_loss [M], argmax draft id [M])
 FusedHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
@@ -174,7 +172,6 @@ def ttt_forward(
     attention_mask: torch.Tensor | None = None,
     ttt_length: int = 7,
     return_hidden: bool = False,
-    deep_rows: DeepRows | None = None,
 ) -> list[torch.Tensor]:
     r"""Run `ttt_length` TTT steps of `draft`; return the per-step draft logits, each ``[B, S, Vd]``.
 
@@ -187,9 +184,6 @@ def ttt_forward(
         return_hidden: return each step's head input (the normed state, ``[B, S, H]``) instead of its logits; pass
             ``head=draft.lm_head`` to `ttt_loss`, which then runs the head on the supervised positions only (the
             head over a draft vocabulary of 16k ids is most of a step's cost, and prompts carry no loss).
-        deep_rows: run steps ``1..K-1`` only at these positions (`eagle3_hf.training.ttt_rows.sample_deep_rows`);
-            their outputs are then ``[B, r, ...]``, row ``i`` being position ``deep_rows.positions[:, i]``, and equal
-            to the full unroll's there. Pass the same `deep_rows` to `ttt_loss`.
 
     Logits of step ``j`` at position ``t`` are what inference-time drafting produces after prefilling pairs up to
     ``t`` and feeding back its own state ``j`` times with the true tokens.
@@ -227,8 +221,6 @@ def ttt_forward(
     if not draft.embedding_loaded:
         raise ValueError("The draft has no token embedding; load it with `draft.load_target_embedding(target)`.")
     batch, seq = input_ids.shape
-    if deep_rows is not None:
-        check_deep_rows(deep_rows, batch, seq)
     dtype = draft.fc.weight.dtype
     hidden = draft.fuse(target_hidden_states.to(dtype))  # g_0 [B, S, H]
     # Under autocast the layer computes in bf16/fp16: build the mask and RoPE tables in that dtype.
@@ -242,11 +234,8 @@ def ttt_forward(
     previous: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: k, v of each earlier step
     logits = []
     for step in range(ttt_length):
-        sampled = step > 0 and deep_rows is not None
-        if step == 1 and sampled:  # deep steps at the sampled positions only; the step-0 keys stay whole
-            hidden, mask, positions = take_deep_rows(deep_rows, hidden, mask)
         # Teacher forcing: step j at position t reads x_{t+1+j}; positions past the end read id 0 (never supervised).
-        tokens = deep_step_tokens(input_ids, positions, step) if sampled else shift_left(input_ids, 1 + step)
+        tokens = shift_left(input_ids, 1 + step)
         embeds = draft.embed_tokens(tokens).to(dtype)
         cos, sin = draft.rotary_emb(hidden, positions + step)  # RoPE position t + j
         out = hidden
@@ -272,7 +261,6 @@ def ttt_loss(
     target_ids: torch.Tensor | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fused_head: FusedHead | None = None,
-    deep_rows: DeepRows | None = None,
 ) -> TTTOutput:
     """The TTT loss, and per-step accuracy against the target's full-vocabulary top token.
 
@@ -290,8 +278,6 @@ def ttt_loss(
         fused_head: instead of `head`, the head and per-row loss in one call over every step's rows at once,
             ``(rows [M, H], p, columns) -> (row_loss [M], argmax [M])`` (`head_cross_entropy` with the head's
             weight): the same loss and gradients, without the per-step ``[M, Vd]`` log-softmax passes.
-        deep_rows: the positions `ttt_forward` ran steps ``1..K-1`` at (its `deep_rows`); each of those steps is then
-            scored, and its loss averaged, over the supervised positions among them.
 
     A supervised position whose target top token lies outside the draft vocabulary carries no loss (greedy
     verification rejects every draft token there) but counts as a miss in the accuracy, so that ``step_accuracy``
@@ -332,9 +318,7 @@ def ttt_loss(
         )
     draft_to_target = torch.nonzero(t2d)[:, 0]  # [Vd] target id of each draft id (d2t as absolute ids)
     seq = loss_mask.shape[1]
-    if deep_rows is not None:
-        check_deep_rows(deep_rows, loss_mask.shape[0], seq, step_logits[1] if len(step_logits) > 1 else None)
-    steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq, deep_rows if step else None)
+    steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq)
              for step, outputs in enumerate(step_logits)]  # fmt: skip
     if fused_head is not None:
         losses, predictions = _fused_step_losses(steps, fused_head)
@@ -375,23 +359,15 @@ def _step_targets(
     loss_mask: torch.Tensor,
     t2d: torch.Tensor,
     seq: int,
-    deep_rows: DeepRows | None = None,
 ) -> _StepTargets:
     """One step's rows that carry loss and their labels: ``(rows [M, Vd or H], top [N], in_vocab [N], columns [M, k]
-    or None, p [M, k or Vd], number of supervised positions N)``. With `deep_rows`, `outputs` holds the sampled
-    positions only (``[B, r, ...]``)."""
-    if deep_rows is None:
-        draft_pos, target_rows, mask_pos = step_alignment(seq, step)
-        selected = loss_mask[:, mask_pos].bool()  # [B, n]
-        # Gather the supervised positions first: the head and softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
-        rows = outputs[:, draft_pos][selected]  # [N, Vd] logits, or [N, H] head inputs
-        targets = target_logits[:, target_rows][selected]
-        ids = None if target_ids is None else target_ids[:, target_rows][selected]
-    else:
-        selected, batch_index, target_index = deep_step_selection(deep_rows, loss_mask, step)
-        rows = outputs[selected]
-        targets = target_logits[batch_index, target_index]
-        ids = None if target_ids is None else target_ids[batch_index, target_index]
+    or None, p [M, k or Vd], number of supervised positions N)``."""
+    draft_pos, target_rows, mask_pos = step_alignment(seq, step)
+    selected = loss_mask[:, mask_pos].bool()  # [B, n]
+    # Gather the supervised positions first: the head and softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
+    rows = outputs[:, draft_pos][selected]  # [N, Vd] logits, or [N, H] head inputs
+    targets = target_logits[:, target_rows][selected]
+    ids = None if target_ids is None else target_ids[:, target_rows][selected]
     if ids is not None:
         top, in_vocab, columns, p = _sparse_targets(targets, ids, t2d)
     else:
