@@ -211,12 +211,44 @@ def test_a_text_streamer_is_refused_as_plain_generate_refuses_it(cases, tokenize
     assert str(our_error.value) == str(plain_error.value)
 
 
-@pytest.mark.parametrize("options", [dict(exact_verify=True), dict(output_scores=True, return_dict_in_generate=True)])
-def test_refuses_what_the_batched_loop_does_not_do(cases, options):
+def test_refuses_row_exact_verification(cases):
     target, draft, prompts, _ = cases("llama")
     ids, mask = left_padded(prompts[:2])
     with pytest.raises(ValueError, match="batch"):
-        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, **options)
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, exact_verify=True)
+
+
+def staggered_eos(sequences, prompt_length):
+    """A token that the rows of `sequences` first emit at the most different steps (one row early, one never)."""
+    def firsts(token):
+        new = sequences[:, prompt_length:].tolist()
+        return [row.index(token) if token in row else None for row in new]
+
+    return max(range(V - 1), key=lambda t: (None in firsts(t) and min(f for f in firsts(t) + [NEW] if f is not None)
+                                            < NEW // 2, len(set(firsts(t)))))  # fmt: skip
+
+
+@pytest.mark.parametrize("tree", ["wide", "deep"])
+def test_batched_output_scores_and_logits_equal_plain_batched_generate(cases, tree):
+    """Per step a `[B, V]` tensor as plain batched generate() gives it, rows finishing at different steps: a running
+    row's entries are its accepted nodes' scores; a finished row's, the scores plain generate() computes by feeding it
+    `pad_token_id` (here one forward over its padded output)."""
+    target, draft, prompts, _ = cases("llama")
+    ids, mask = left_padded(prompts)
+    options = dict(max_new_tokens=NEW, pad_token_id=V - 1, do_sample=False, return_dict_in_generate=True,
+                   output_scores=True, output_logits=True, repetition_penalty=1.3)  # fmt: skip
+    eos = staggered_eos(target.generate(ids, attention_mask=mask, **options).sequences, ids.shape[1])
+    expected = target.generate(ids, attention_mask=mask, eos_token_id=eos, **options)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, eos_token_id=eos, **options,
+                          **TREES[tree])  # fmt: skip
+    assert out.sequences.tolist() == expected.sequences.tolist()
+    stops = [len(sizes) for sizes in out.tree_sizes]
+    assert len(set(stops)) > 2 and min(stops) < NEW // 2  # rows left the batch at different cycles, one early
+    assert any(length > 1 for lengths in out.accept_lengths for length in lengths)  # real trees were accepted
+    for ours, theirs in [(out.scores, expected.scores), (out.logits, expected.logits)]:
+        assert len(ours) == len(theirs) == expected.sequences.shape[1] - ids.shape[1]
+        assert all(o.shape == (len(prompts), V) for o in ours)
+        torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-4, atol=1e-4)
 
 
 def test_refuses_right_padding(cases):

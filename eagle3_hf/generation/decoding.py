@@ -39,7 +39,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget
-from eagle3_hf.generation.emission import sequences
+from eagle3_hf.generation.emission import score_steps, sequences
 from eagle3_hf.generation.engine import CycleRecord, DecodeRun, decode
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.hybrid import LookupOptions
@@ -76,8 +76,9 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
         accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
         verification: "row-exact" or "one-call", the verification that ran; verification_reason: why (verify_choice.py).
 
-    A batch of B > 1 prompts gives `accept_lengths` and `tree_sizes` per row (a list each), the batch's times, no
-    lookup statistics and no cache.
+    A batch of B > 1 prompts gives `accept_lengths`, `tree_sizes` and `accept_sources` per row (a list each), the
+    batch's times and totals, and no cache; `scores` / `logits` are plain generate()'s, one `[B, V]` per step
+    (emission.score_steps).
     """
 
     accept_lengths: list[int] | None = None
@@ -298,8 +299,12 @@ def eagle3_decoding(
     exact_verify = check_exact_verify(exact_verify)
     rows = input_ids.shape[0]
     return_dict = bool(generation_config.return_dict_in_generate)
-    if rows > 1:
-        refuse_for_batches(rows, exact_verify, generation_config)
+    if rows > 1 and exact_verify is True:
+        raise ValueError(
+            f"Row-exact verification (exact_verify=True) supports batch size 1; got a batch of {rows}. Batches verify "
+            "in one tree-masked call (exact_verify='auto' or False): greedy bf16 output then equals plain "
+            "decoding up to near-ties."
+        )
     mask = left_padded_mask(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
     options = None
@@ -320,6 +325,7 @@ def eagle3_decoding(
     with exact_verification(model, enabled=choice.exact) as run.exact:
         decode(run, input_ids, mask)
     output = sequences(run)
+    scores, logits = score_steps(run) if return_dict else (None, None)
     if rows == 1:  # the cache holds every output token but the last, as plain decoding's
         run.columns.crop(run.cache, output.shape[1] - min(run.starts) - 1)
     if not return_dict:
@@ -328,8 +334,8 @@ def eagle3_decoding(
     sources = [counts for row in run.accept_sources for counts in row]
     return Eagle3GenerateOutput(
         sequences=output,
-        scores=run.scores if run.output_scores else None,
-        logits=run.raw_logits if run.output_logits else None,
+        scores=scores,
+        logits=logits,
         accept_lengths=per_row(run.accept_lengths),
         draft_time=run.draft_time,
         verify_time=run.verify_time,
@@ -371,7 +377,8 @@ def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: A
         output_scores=return_dict and bool(generation_config.output_scores),
         output_logits=return_dict and bool(generation_config.output_logits),
         cost=CycleCostModel.for_device(model.device.type, model.dtype), stop_lengths=[None] * rows,
-        active=list(range(rows)), streamed=length, accept_lengths=[[] for _ in range(rows)],
+        active=list(range(rows)), streamed=length, prompt_length=length, scores=[[] for _ in range(rows)],
+        raw_logits=[[] for _ in range(rows)], accept_lengths=[[] for _ in range(rows)],
         tree_sizes=[[] for _ in range(rows)], accept_sources=[[] for _ in range(rows)],
     )  # fmt: skip
 
@@ -397,17 +404,3 @@ def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         )
     return attention_mask
 
-
-def refuse_for_batches(rows: int, exact_verify: bool | str, generation_config: GenerationConfig) -> None:
-    """A clear ValueError for what a batch of several prompts does not do."""
-    if exact_verify is True:
-        raise ValueError(
-            f"Row-exact verification (exact_verify=True) supports batch size 1; got a batch of {rows}. Batches verify "
-            "in one tree-masked call (exact_verify='auto' or False): greedy bf16 output then equals plain "
-            "decoding up to near-ties."
-        )
-    if generation_config.output_scores or generation_config.output_logits:
-        raise ValueError(
-            f"output_scores / output_logits with EAGLE-3 need batch size 1; got a batch of {rows} (plain generate() "
-            "scores finished rows' padding steps, which batched tree decoding never runs)."
-        )

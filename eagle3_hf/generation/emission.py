@@ -18,7 +18,7 @@ from eagle3_hf.generation.target_cache import worth_compacting
 if TYPE_CHECKING:
     from eagle3_hf.generation.engine import DecodeRun
 
-__all__ = ["emit", "retire_rows", "sequence_length", "sequences", "stream"]
+__all__ = ["emit", "retire_rows", "score_steps", "sequence_length", "sequences", "stream"]
 
 
 def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None, scores: list[Any]) -> list[int]:
@@ -40,13 +40,13 @@ def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None,
             run.out[row, run.lengths[row]] = token
             run.lengths[row] += 1
             if run.output_scores:
-                run.scores += (processed[count : count + 1],)
+                run.scores[row].append(processed[count])
             if run.output_logits:
-                run.raw_logits += (raw[count : count + 1],)
+                run.raw_logits[row].append(raw[count])
             count += 1
             if run.stop_lengths[row] is None:
                 ids = run.out[row : row + 1, : run.lengths[row]]
-                if bool(run.stopping_criteria(ids, run.scores if run.output_scores else None).any()):
+                if bool(run.stopping_criteria(ids, processed[count - 1 : count] if run.output_scores else None).any()):
                     run.stop_lengths[row] = run.lengths[row]
                     if run.pad_finished or run.batch_size == 1:
                         break
@@ -117,3 +117,40 @@ def sequences(run: DecodeRun) -> torch.Tensor:
         for row, stop in enumerate(run.stop_lengths):
             out[row, stop:] = run.pad_token_id
     return out
+
+
+def score_steps(run: DecodeRun) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+    """The output's `scores` and `logits` as plain generate() gives them: one `[B, V]` tensor per step. A row's
+    entries are those of the nodes it accepted, and its bonus tokens'. A row that finished early and left the batch
+    has no entries for the steps plain generate() still runs it through (it feeds the row `pad_token_id` and scores
+    what follows): those are computed here, by one target forward over the row's padded output, only when asked
+    for, with the row's processed scores as plain decoding processes them (up to the rounding of one forward over
+    the tail instead of one-token steps)."""
+    if not (run.output_scores or run.output_logits):
+        return None, None
+    output = sequences(run)  # [B, L], finished rows padded
+    steps = output.shape[1] - run.prompt_length
+    for row in range(run.batch_size):
+        done = len(run.scores[row] if run.output_scores else run.raw_logits[row])
+        if done < steps:
+            _score_padding_steps(run, output, row, done, steps)
+    scores = tuple(torch.stack([r[t] for r in run.scores]) for t in range(steps)) if run.output_scores else None
+    logits = tuple(torch.stack([r[t] for r in run.raw_logits]) for t in range(steps)) if run.output_logits else None
+    return scores, logits
+
+
+def _score_padding_steps(run: DecodeRun, output: torch.Tensor, row: int, done: int, steps: int) -> None:
+    """Row `row`'s steps `done..steps-1`, which plain generate() ran on its padding after the row finished: the
+    logits after each prefix of its padded output (its left padding dropped, as it is masked there)."""
+    tail = steps - done
+    with torch.no_grad():
+        out = run.model(input_ids=output[row : row + 1, run.starts[row] : run.prompt_length + steps - 1],
+                        use_cache=False, logits_to_keep=tail)  # fmt: skip
+    raw = out.logits[0].float()  # [tail, V]: the logits before steps done..steps-1
+    for i in range(tail):
+        if run.output_logits:
+            run.raw_logits[row].append(raw[i])
+        if run.output_scores:
+            ids = output[row : row + 1, : run.prompt_length + done + i].expand(run.batch_size, -1)
+            # processors with per-row state see the batch's shape, the row repeated (as in node_scores.py)
+            run.scores[row].append(run.logits_processor(ids, raw[i].expand(run.batch_size, -1).clone())[row])

@@ -78,7 +78,7 @@ class DecodeRun:
     temperature: float = 1.0
     adaptive_tree: bool = True
     streamer: Any = None
-    output_scores: bool = False  # one row only (decoding.py refuses it for batches)
+    output_scores: bool = False
     output_logits: bool = False
     cost: CycleCostModel = field(default_factory=CycleCostModel)
     exact: ExactAttention | None = None  # row-exact verification (one row); None: one tree-masked call
@@ -87,8 +87,9 @@ class DecodeRun:
     active: list[int] = field(default_factory=list)
     columns: TargetColumns | None = None
     streamed: int = 0  # columns of `out` handed to the streamer
-    scores: tuple[torch.Tensor, ...] = ()  # output_scores: one [1, V] row per emitted token
-    raw_logits: tuple[torch.Tensor, ...] = ()
+    prompt_length: int = 0  # columns of the padded prompt
+    scores: list[list[torch.Tensor]] = field(default_factory=list)  # output_scores: per row, one [V] per token
+    raw_logits: list[list[torch.Tensor]] = field(default_factory=list)  # output_logits: likewise
     accept_lengths: list[list[int]] = field(default_factory=list)  # per row, per cycle: tokens it added
     tree_sizes: list[list[int]] = field(default_factory=list)  # per row, per cycle: nodes verified (root included)
     accept_sources: list[list[tuple[int, int, int]]] = field(default_factory=list)  # per row, per cycle
