@@ -27,6 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TESTS=(
   tests/test_generation.py::test_greedy_matches_plain_generate
   tests/test_generation.py::test_half_precision_tokens_are_the_targets_greedy_choices_on_cuda
+  tests/test_sync_count.py::test_a_cycle_reads_the_host_a_bounded_number_of_times
   tests/test_modeling.py::test_from_target_builds_a_working_draft
   tests/test_trainer.py::test_training_lowers_the_loss_and_raises_acc0
 )

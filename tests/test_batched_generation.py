@@ -155,10 +155,18 @@ def test_compacting_the_caches_changes_nothing(cases, monkeypatch):
     compactions = []
     original = target_cache.TargetColumns.compact
     draft_original = drafting.DraftState.compact
-    monkeypatch.setattr(target_cache.TargetColumns, "compact",
-                        lambda self, cache: compactions.append("target") or original(self, cache))
-    monkeypatch.setattr(drafting.DraftState, "compact",
-                        lambda self: compactions.append("draft") or draft_original(self))
+
+    def counted(name, method):
+        def compact(self, *args):
+            # the columns to keep come from the host's bookkeeping: they must be the longest row's exactly
+            assert args[-1] == int(self.valid.sum(dim=1).max()), name
+            compactions.append(name)
+            return method(self, *args)
+
+        return compact
+
+    monkeypatch.setattr(target_cache.TargetColumns, "compact", counted("target", original))
+    monkeypatch.setattr(drafting.DraftState, "compact", counted("draft", draft_original))
     ids, mask = left_padded(prompts)
     k, eos = first_new_token_at(references[3], prompts[3].shape[1], start=3)  # the longest row stops early
     options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)

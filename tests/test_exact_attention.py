@@ -65,7 +65,7 @@ def tree_rows(target, prompt, tokens, parents, exact):
         while j >= 0:
             mask[i, j] = True
             j = parents[j]
-    from eagle3_hf.generation.tree import target_tree_mask
+    from eagle3_hf.generation.target_cache import target_tree_mask
 
     past = prompt.shape[1]
     with exact_verification(target, enabled=exact) as state:

@@ -370,7 +370,7 @@ def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: A
     return DecodeRun(
         model=model, proposer=proposer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         budget=budget, cache=cache, layer_ids=draft.config.resolved_target_layer_ids(layers) if draft else [],
-        out=out, lengths=[length] * rows, starts=[int((m == 0).sum()) for m in mask],
+        out=out, lengths=[length] * rows, tokens=input_ids.tolist(), starts=[int((m == 0).sum()) for m in mask],
         pad_token_id=None if pad is None else int(pad), pad_finished=rows > 1 and has_eos, max_length=max_length,
         do_sample=do_sample, temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
         adaptive_tree=adaptive_tree, streamer=streamer, observer=observer,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3_hf.generation.draft_step import DraftKV, draft_forward
-from eagle3_hf.generation.tree import DraftTree, rerank
+from eagle3_hf.generation.tree import DraftTree
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
 
 __all__ = ["DraftState", "TreeBudget", "build_greedy_trees", "catch_up", "top_children"]
@@ -70,11 +70,11 @@ class DraftState:
             self.last_hidden, self.last_logits = self.last_hidden[rows], self.last_logits[rows]
         self.pending = [(f[rows], t[rows], v[rows]) for f, t, v in self.pending]
 
-    def compact(self) -> None:
-        """Drop holes: per row, its valid columns in order, right-aligned after the fewest holes any row needs."""
+    def compact(self, keep: int) -> None:
+        """Drop holes: per row, its valid columns in order, right-aligned after the fewest holes any row needs (`keep`
+        columns: the most pairs a row has, which the caller knows without reading `valid`)."""
         if self.kv is None:
             return
-        keep = int(self.valid.sum(dim=1).max())
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.valid.shape[1] - keep :]
         self.valid = self.valid.gather(1, order)
         self.kv.gather_columns(order)
@@ -151,10 +151,10 @@ def build_greedy_trees(
     cos, sin = draft.rotary_emb(frontier_hidden, state.positions[:, None] + steps[None])  # every level at once
     flat_count, fed = k0, 0
     for level in range(1, budget.depth):
-        # the batch cost model weighs a level by every row's best frontier node together
-        best = frontier_scores.max(dim=1).values.exp().sum().item()
-        if budget.grow is not None and not budget.grow(best, flat_count):
-            break
+        # the batch cost model weighs a level by every row's best frontier node together (one read per level)
+        if budget.grow is not None:
+            if not budget.grow(frontier_scores.max(dim=1).values.exp().sum().item(), flat_count):
+                break
         kf = frontier.shape[1]
         eye = torch.eye(kf, dtype=torch.bool, device=device).expand(rows, kf, kf)
         ancestors = torch.cat([ancestors, eye], dim=2)
@@ -180,13 +180,25 @@ def build_greedy_trees(
         frontier_ids = child_ids.reshape(rows, -1).gather(1, best)
         frontier_hidden = feedback.gather(1, parent_rows[:, :, None].expand(-1, -1, width))
         ancestors = ancestors.gather(1, parent_rows[:, :, None].expand(-1, -1, ancestors.shape[2]))
-    scores, ids, parents = torch.cat(all_scores, 1), torch.cat(all_ids, 1), torch.cat(all_parents, 1)
-    trees = []
-    for row in range(rows):
-        kept, tree_parents = rerank(scores[row], parents[row], budget.total_tokens)
-        target_ids = draft.draft_to_target_ids(ids[row, kept])
-        trees.append(DraftTree.from_parents(
-            tokens=torch.cat([roots[row : row + 1].to(target_ids.dtype), target_ids]), parents=tree_parents,
-            scores=torch.cat([torch.zeros(1, device=device), scores[row, kept]]),
-        ))  # fmt: skip
-    return trees
+    scores, ids, parents = torch.cat(all_scores, 1), torch.cat(all_ids, 1), torch.cat(all_parents, 1)  # [A, N]
+    depths = torch.cat([torch.full((s.shape[1],), d + 1, device=device) for d, s in enumerate(all_scores)])  # [N]
+    kept, tree_parents = _rerank_rows(scores, parents, budget.total_tokens)  # [A, M], [A, 1 + M]
+    tokens = torch.cat([roots[:, None].to(ids.dtype), draft.draft_to_target_ids(ids.gather(1, kept))], dim=1)
+    kept_scores = torch.cat([torch.zeros(rows, 1, device=device), scores.gather(1, kept)], dim=1)
+    kept_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), depths[kept]], dim=1)
+    return [DraftTree(tokens=tokens[row], parents=tree_parents[row], depths=kept_depths[row], scores=kept_scores[row])
+            for row in range(rows)]  # fmt: skip
+
+
+def _rerank_rows(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tree.cut_host` for every row at once on the device, unchecked (a row's scores never increase from parent to child: sums of
+    log-probabilities; ties go to the lower index, a parent's), so nothing is read on the host. Returns the kept
+    candidates `[A, M]` ascending and each row's tree parents `[A, 1 + M]`."""
+    rows, candidates = scores.shape
+    kept = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : min(candidates, total_tokens - 1)]
+    kept = kept.sort(dim=1).values
+    new_index = torch.zeros_like(parents)  # [A, N]: final node of each candidate (0: not kept)
+    new_index.scatter_(1, kept, torch.arange(1, kept.shape[1] + 1, device=kept.device).expand_as(kept))
+    kept_parents = parents.gather(1, kept)
+    mapped = torch.where(kept_parents >= 0, new_index.gather(1, kept_parents.clamp(min=0)), 0)
+    return kept, torch.cat([torch.full((rows, 1), -1, dtype=mapped.dtype, device=mapped.device), mapped], dim=1)

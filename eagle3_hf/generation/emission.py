@@ -22,38 +22,52 @@ __all__ = ["emit", "retire_rows", "score_steps", "sequence_length", "sequences",
 
 
 def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None, scores: list[Any]) -> list[int]:
-    """Append each active row's tokens one by one, checking its stopping criteria after each (as plain generate()
-    checks every row after every token). A row whose criteria fire keeps no later token when finished rows are padded
-    (and a single row never does); otherwise it runs on (plain generate() keeps its real tokens) without further
-    checks. Returns how many tokens each row appended. `scores`: per row, the cycle's `NodeScores` (the rows of the
-    output's `scores` / `logits` are those of the accepted path's nodes); `results` None for the prefill's token."""
-    emitted = []
+    """Append each active row's tokens, checking its stopping criteria after each (as plain generate() checks every
+    row after every token). A row whose criteria fire keeps no later token when finished rows are padded (and a
+    single row never does); otherwise it runs on (plain generate() keeps its real tokens) without further checks.
+    Returns how many tokens each row appended. `scores`: per row, the cycle's `NodeScores` (the rows of the output's
+    `scores` / `logits` are those of the accepted path's nodes); `results` None for the prefill's token.
+
+    The criteria are called on every new token's prefix first and their flags read together: one read per cycle,
+    whatever the rows and tokens."""
+    given = len(new_tokens[0])
+    # a finished row running on stops at the longest possible output
+    new_tokens = [tokens[: run.out.shape[1] - run.lengths[row]] for row, tokens in zip(run.active, new_tokens)]
+    rows = [row for row, tokens in zip(run.active, new_tokens) for _ in tokens]
+    columns = [run.lengths[row] + k for row, tokens in zip(run.active, new_tokens) for k in range(len(tokens))]
+    if rows:
+        index = (torch.tensor(rows, device=run.device), torch.tensor(columns, device=run.device))
+        run.out[index] = torch.tensor([t for tokens in new_tokens for t in tokens], device=run.device)
+    rows_scores, flags = [], []
     for i, (row, tokens) in enumerate(zip(run.active, new_tokens)):
-        count = 0
-        if run.output_scores or run.output_logits:
-            nodes = results[i].path if results is not None else [0]
-            processed = scores[i].processed_rows(nodes) if run.output_scores else None
-            raw = scores[i].raw_rows(nodes) if run.output_logits else None
-        for token in tokens:
-            if run.lengths[row] >= run.out.shape[1]:
-                break  # a finished row running on past the longest possible output
-            run.out[row, run.lengths[row]] = token
-            run.lengths[row] += 1
+        nodes = results[i].path if results is not None else [0]
+        processed = scores[i].processed_rows(nodes) if run.output_scores else None
+        rows_scores.append((processed, scores[i].raw_rows(nodes) if run.output_logits else None))
+        if run.stop_lengths[row] is None:
+            for k in range(len(tokens)):
+                ids = run.out[row : row + 1, : run.lengths[row] + k + 1]
+                flags.append(run.stopping_criteria(ids, processed[k : k + 1] if run.output_scores else None))
+    fired = iter(torch.cat(flags).tolist() if flags else [])
+    emitted = []
+    for (row, tokens), (processed, raw) in zip(zip(run.active, new_tokens), rows_scores):
+        count = len(tokens)
+        if run.stop_lengths[row] is None:
+            hits = [next(fired) for _ in tokens]
+            if True in hits:
+                run.stop_lengths[row] = run.lengths[row] + hits.index(True) + 1
+                if run.pad_finished or run.batch_size == 1:
+                    count = hits.index(True) + 1
+        for k in range(count):
             if run.output_scores:
-                run.scores[row].append(processed[count])
+                run.scores[row].append(processed[k])
             if run.output_logits:
-                run.raw_logits[row].append(raw[count])
-            count += 1
-            if run.stop_lengths[row] is None:
-                ids = run.out[row : row + 1, : run.lengths[row]]
-                if bool(run.stopping_criteria(ids, processed[count - 1 : count] if run.output_scores else None).any()):
-                    run.stop_lengths[row] = run.lengths[row]
-                    if run.pad_finished or run.batch_size == 1:
-                        break
+                run.raw_logits[row].append(raw[k])
+        run.tokens[row].extend(tokens[:count])
+        run.lengths[row] += count
         emitted.append(count)
-    if run.batch_size == 1 and results is not None and emitted[0] < len(new_tokens[0]):
+    if run.batch_size == 1 and results is not None and emitted[0] < given:
         # a criterion cut the cycle short: keep the cache in step with the output (every token but the last)
-        run.columns.crop(run.cache, run.cache.get_seq_length() - (len(new_tokens[0]) - emitted[0]))
+        run.columns.crop(run.cache, run.cache.get_seq_length() - (given - emitted[0]))
     stream(run)
     return emitted
 
@@ -75,10 +89,10 @@ def retire_rows(run: DecodeRun) -> None:
     if keep and len(keep) < len(run.active):
         index = torch.tensor(keep, device=run.device)
         run.columns.select_rows(run.cache, index)
-        run.proposer.select_rows(index)
+        run.proposer.select_rows(keep)
     run.active = [run.active[i] for i in keep]
-    if run.active and worth_compacting(run.columns.valid):
-        run.columns.compact(run.cache)
+    if run.active and worth_compacting(run.columns.valid.shape[1], run.longest_cached()):
+        run.columns.compact(run.cache, run.longest_cached())
 
 
 def stream(run: DecodeRun, final: bool = False) -> None:
@@ -91,7 +105,7 @@ def stream(run: DecodeRun, final: bool = False) -> None:
     if all(stop is not None for stop in run.stop_lengths):
         end = min(end, sequence_length(run))
     for column in range(run.streamed, end):
-        run.streamer.put(_column(run, column).cpu())
+        run.streamer.put(sequences(run, column, column + 1)[:, 0].cpu())
     run.streamed = max(run.streamed, end)
 
 
@@ -100,22 +114,15 @@ def sequence_length(run: DecodeRun) -> int:
     return max(length if length is not None else run.lengths[row] for row, length in enumerate(run.stop_lengths))
 
 
-def _column(run: DecodeRun, column: int) -> torch.Tensor:
-    values = run.out[:, column].clone()
+def sequences(run: DecodeRun, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """`[B, end - start]` output ids (by default all of them): each row's tokens, finished rows padded with
+    `pad_token_id` as plain generate() pads them."""
+    end = sequence_length(run) if end is None else end
+    out = run.out[:, start:end].clone()
     if run.pad_finished:
         for row, stop in enumerate(run.stop_lengths):
-            if stop is not None and column >= stop:
-                values[row] = run.pad_token_id
-    return values
-
-
-def sequences(run: DecodeRun) -> torch.Tensor:
-    """`[B, L]` output ids: each row's tokens, finished rows padded with `pad_token_id` as plain generate() pads."""
-    length = sequence_length(run)
-    out = run.out[:, :length].clone()
-    if run.pad_finished:
-        for row, stop in enumerate(run.stop_lengths):
-            out[row, stop:] = run.pad_token_id
+            if stop is not None:
+                out[row, max(stop - start, 0) :] = run.pad_token_id
     return out
 
 

@@ -8,6 +8,11 @@ chosen for a single prompt (verify_choice.py, exact_attention.py); each row acce
 the accepted paths and the proposer hears what was accepted; each row emits its tokens, checking its stopping
 criteria after each, and rows that need no more tokens leave the batch (emission.py).
 
+Host reads: the loop keeps each row's tokens on the host (`DecodeRun.tokens`) and reads the device a bounded number
+of times per cycle, whatever the rows and nodes (the trees and greedy choices in one copy in `accept`, the stopping
+flags in one in `emit`; tests/test_sync_count.py counts them), so that on an accelerator a cycle waits for its
+kernels only a few times.
+
 Per-call state lives in `DecodeRun` and in the proposer, never on the modules. Invariant between cycles: per row,
 the target cache holds every output token but the last (the tree's root). A batch of one never gets holes in its
 cache, so its cache is the plain `DynamicCache` of its tokens (returned with the output).
@@ -15,6 +20,7 @@ cache, so its cache is the plain `DynamicCache` of its tokens (returned with the
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -30,11 +36,11 @@ from eagle3_hf.generation.drafting import TreeBudget
 from eagle3_hf.generation.emission import emit, retire_rows, stream
 from eagle3_hf.generation.exact_attention import ExactAttention
 from eagle3_hf.generation.hybrid import DRAFT, prune_nodes, source_counts
-from eagle3_hf.generation.node_scores import NodeScores
+from eagle3_hf.generation.node_scores import NodeScores, reads_are_free
 from eagle3_hf.generation.proposers import Proposal, Proposer, RowTree, root_only
 from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
-from eagle3_hf.generation.tree import DraftTree, rerank
-from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
+from eagle3_hf.generation.tree import DraftTree, children_lists, read_on_host
+from eagle3_hf.generation.verification import AcceptResult, greedy_walk, sample_accept
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.modeling_eagle3 import select_target_features
 
@@ -70,6 +76,7 @@ class DecodeRun:
     layer_ids: list[int]  # the target layers the draft reads (empty without a draft)
     out: torch.Tensor  # [B, capacity] every row's sequence so far (the padded prompt included)
     lengths: list[int]  # tokens of `out` per row
+    tokens: list[list[int]]  # the host's copy of each row's `out[row, :lengths[row]]` (the loop never reads `out`)
     starts: list[int]  # left padding per row (the target and the lookup never see it)
     pad_token_id: int | None
     pad_finished: bool  # plain generate() pads finished rows only when an EOS criterion is present
@@ -105,6 +112,14 @@ class DecodeRun:
     def batch_size(self) -> int:
         return self.out.shape[0]
 
+    def roots(self) -> list[int]:
+        """Each active row's last token: the root of its next tree."""
+        return [self.tokens[row][-1] for row in self.active]
+
+    def longest_cached(self) -> int:
+        """The most tokens an active row holds in the target cache (every output token but the last, no padding)."""
+        return max(self.lengths[row] - self.starts[row] for row in self.active) - 1
+
 
 def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DecodeRun:
     """Prefill, then propose -> verify -> accept -> update -> emit -> record until every row has stopped."""
@@ -123,7 +138,7 @@ def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
         record_cycle(run, proposal, results, emitted, predicted, draft_s, verify_s)
         if run.observer is not None:
             run.observer(CycleRecord(past=start, rows=list(run.active), tree_sizes=[r.tree.num_nodes for r in proposal.rows],
-                                     emitted=emitted, parents=[r.tree.parents.tolist() for r in proposal.rows],
+                                     emitted=emitted, parents=[r.tree.host.parents for r in proposal.rows],
                                      draft_s=draft_s, verify_s=verify_s, consulted=proposal.consulted))  # fmt: skip
         retire_rows(run)
     stream(run, final=True)
@@ -166,24 +181,26 @@ def select_tokens(run: DecodeRun, processed: torch.Tensor) -> torch.Tensor:
     return processed.argmax(dim=-1)
 
 
-def propose(run: DecodeRun) -> tuple[Proposal, float, float]:
+def propose(run: DecodeRun) -> tuple[Proposal, float | None, float]:
     """The proposer's trees (root-only ones where it proposed none), greedy ones sized by the cost model. Returns
-    (proposal, accepted tokens predicted over the rows, seconds spent)."""
+    (proposal, accepted tokens predicted over the rows -- None: from the trees' scores, once read --, seconds)."""
     t0 = time.perf_counter()
     run.cost.rows = len(run.active)
-    roots = torch.tensor([int(run.out[row, run.lengths[row] - 1]) for row in run.active], device=run.device)
-    proposal = run.proposer.propose(run, roots)
-    predicted = 0.0
+    roots = run.roots()
+    proposal = run.proposer.propose(run, torch.tensor(roots, device=run.device))
+    predicted = None  # the trees' estimate, read with them in `accept`
     if proposal.rows is not None and run.adaptive_tree and not run.do_sample:
-        ordered = [row.tree.scores[1:].sort(descending=True, stable=True).values.exp() for row in proposal.rows]
-        width = max(p.numel() for p in ordered)
-        probs = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in ordered])  # [A, N]
+        trees = DraftTree.with_hosts([row.tree for row in proposal.rows])[0]  # one read: sizing and pruning use it
+        ordered = []
+        for row, tree in zip(proposal.rows, trees):
+            row.tree = tree
+            ordered.append(sorted((math.exp(score) for score in tree.host.scores[1:]), reverse=True))
+        width = max(len(p) for p in ordered)
+        probs = torch.tensor([p + [0.0] * (width - len(p)) for p in ordered], dtype=torch.float64)  # [A, N]
         n, predicted = run.cost.choose_size(probs, time.perf_counter() - t0)
         proposal.rows = None if n == 0 else [prune_tree(row, n) for row in proposal.rows]
-    elif proposal.rows is not None:
-        predicted = sum(float(row.tree.scores[1:].exp().sum()) for row in proposal.rows)
     if proposal.rows is None:
-        proposal.rows = [root_only(int(root), run.device) for root in roots]
+        proposal.rows, predicted = [root_only(root, run.device) for root in roots], 0.0
     _sync(run.device)
     seconds = time.perf_counter() - t0
     run.draft_time += seconds
@@ -192,14 +209,11 @@ def propose(run: DecodeRun) -> tuple[Proposal, float, float]:
 
 def prune_tree(row: RowTree, n: int) -> RowTree:
     """The root and the row's `n` best nodes (by cumulative score; a parent is always kept before its child)."""
-    tree = row.tree
-    if n >= tree.num_nodes - 1:
+    nodes = row.tree.num_nodes
+    if n >= nodes - 1:
         return row
-    if row.sources is not None:
-        return RowTree(*prune_nodes(tree, row.sources, row.match, n))
-    kept, parents = rerank(tree.scores[1:], tree.parents[1:] - 1, n + 1)
-    index = torch.cat([torch.zeros(1, dtype=torch.long, device=kept.device), kept + 1])
-    return RowTree(DraftTree.from_parents(tokens=tree.tokens[index], parents=parents, scores=tree.scores[index]))
+    pruned = prune_nodes(row.tree, row.sources or [0] + [DRAFT] * (nodes - 1), row.match or [0] * nodes, n)
+    return RowTree(*pruned) if row.sources is not None else RowTree(pruned[0])
 
 
 def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -227,12 +241,27 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
 
 def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[list[AcceptResult], list[NodeScores]]:
     """Each row's longest valid path (greedy match, or lossless stochastic acceptance) and bonus token, its scores
-    processed along each visited node's own path."""
-    results, scores = [], []
-    for i, (row, proposal) in enumerate(zip(run.active, rows)):
-        tree = proposal.tree
-        prefix = run.out[row : row + 1, : run.lengths[row]]
-        node_scores = NodeScores(logits[i, : tree.num_nodes], tree, prefix, run.logits_processor, row, run.batch_size)
+    processed along each visited node's own path.
+
+    Every row's tree is read on the host at once (`DraftTree.with_hosts`; trees built from lists need no read).
+    Greedy where reads cost a synchronisation (node_scores.reads_are_free), the target's choice at every node of
+    every row is computed on the device and read in that same copy, instead of one read per visited node."""
+    scores = []
+    for i, (r, row) in enumerate(zip(run.active, rows)):
+        prefix = run.out[r : r + 1, : run.lengths[r]]
+        scores.append(NodeScores(logits[i, : row.tree.num_nodes], row.tree, prefix, run.logits_processor, r, run.batch_size))
+    eager = not run.do_sample and not reads_are_free(run.device)
+    unprocessed = eager and len(run.logits_processor) == 0  # the choices need no tree: read them with it
+    choices = [node_scores.all_choices() for node_scores in scores] if unprocessed else []
+    trees, choices = DraftTree.with_hosts([row.tree for row in rows], choices)
+    for tree, proposal, node_scores in zip(trees, rows, scores):
+        proposal.tree = node_scores.tree = tree
+    if eager and not unprocessed:  # processors read each node's path: the trees first, then one read of the choices
+        choices = read_on_host([node_scores.all_choices() for node_scores in scores])
+    results = []
+    for i, (tree, proposal, node_scores) in enumerate(zip(trees, rows, scores)):
+        if eager:
+            node_scores.choices = [int(c) for c in choices[i]]
         if run.do_sample:
             # a root-only tree has no drafted children: sample_accept then draws the bonus from p
             draft_probs = tree.draft_probs if tree.draft_probs is not None else (
@@ -240,9 +269,8 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
             result = sample_accept(tree.tokens, tree.parents, node_scores.probs, draft_probs,
                                    point_mass=proposal.point_mass, draws=proposal.draws)  # fmt: skip
         else:
-            result = greedy_accept(tree.tokens, tree.parents, node_scores.greedy_choice)
+            result = greedy_walk(tree.host.tokens, children_lists(tree.host.parents), node_scores.greedy_choice)
         results.append(result)
-        scores.append(node_scores)
     return results, scores
 
 
@@ -251,11 +279,10 @@ def update(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], feat
     """Keep each row's accepted path in the target cache; tell the proposer. Returns each row's new tokens (accepted
     nodes + bonus)."""
     index, keep = keep_paths(run.cache, run.columns, start, [result.path for result in results])
-    new_tokens = [row.tree.tokens[result.path[1:]].tolist() + [int(result.bonus_token)]
+    new_tokens = [[row.tree.host.tokens[node] for node in result.path[1:]] + [result.bonus_token]
                   for row, result in zip(proposal.rows, results)]  # fmt: skip
-    tokens = torch.zeros(index.shape, dtype=torch.long, device=run.device)
-    for i, row_tokens in enumerate(new_tokens):
-        tokens[i, : len(row_tokens)] = torch.tensor(row_tokens, device=run.device)
+    width = index.shape[1]
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row in new_tokens], device=run.device)  # [A, W]
     picked = None
     if features is not None:
         picked = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[2]))  # [A, W, 3Ht]
@@ -265,7 +292,7 @@ def update(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], feat
 
 
 def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], emitted: list[int],
-                 predicted: float, draft_s: float, verify_s: float) -> None:  # fmt: skip
+                 predicted: float | None, draft_s: float, verify_s: float) -> None:  # fmt: skip
     """Bookkeeping: tree sizes, where the accepted tokens came from, and what the cost model learns -- the verify
     cost of the cycle's width, the proposals' calibration, and whether consulting the draft gained tokens over plain
     steps in the same time (only the tokens the draft proposed count: the lookup's came without consulting it)."""
@@ -283,6 +310,8 @@ def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult]
         run.accept_sources[row].append(counts)
         from_draft += sum(1 for node in result.path[1:] if sources[node] & DRAFT)
     if width > 1:
+        if predicted is None:
+            predicted = sum(math.exp(score) for row in proposal.rows for score in row.tree.host.scores[1:])
         cost.record_cycle(predicted, sum(len(result.path) - 1 for result in results))
     if proposal.consulted and run.adaptive_tree:
         spent = draft_s + (verify_s if width > 1 else 0.0)

@@ -9,7 +9,7 @@ parent that go through it.
 Greedy trees (`graft`): the lookup's trie is walked from the root; a lookup node whose token equals a child of the
 tree node its parent maps to is merged into that child (source "both", estimate the larger of the two), otherwise it
 is appended. Estimates never increase from parent to child, so the merged tree is sized like the draft's: keep the
-best nodes by estimate (`rerank`), which always keeps a node's parent.
+best nodes by estimate (`tree.cut_host`), which always keeps a node's parent.
 
 Sampled trees (`graft_sampled`): lookup nodes are proposals with a point-mass distribution. They hang from the root
 and from each other; at the root they come before the draft's children, which stay draws without replacement from
@@ -21,12 +21,13 @@ accepted. Why this stays lossless: see `eagle3_hf.generation.verification.sample
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
 
 from eagle3_hf.generation.context_index import ContextIndex, LookupTrie
-from eagle3_hf.generation.tree import DraftTree, rerank
+from eagle3_hf.generation.tree import DraftTree, HostTree, cut_host, subtree
 
 __all__ = [
     "BOTH", "DRAFT", "LOOKUP", "LookupOptions", "LookupState", "LookupStats", "SampledGraft", "best_lookup_nodes",
@@ -133,20 +134,17 @@ def lookup_only_tree(root: int, trie: LookupTrie, cond: list[float], device: tor
     scores = [0.0]
     for i in range(1, trie.num_nodes):
         scores.append(scores[trie.parents[i]] + math.log(max(cond[i], 1e-12)))
-    tree = DraftTree.from_parents(
-        tokens=torch.tensor([root] + trie.tokens[1:], device=device),
-        parents=torch.tensor(trie.parents, device=device),
-        scores=torch.tensor(scores, device=device),
-    )
+    host = HostTree([root] + trie.tokens[1:], list(trie.parents), scores)
     match = [0] + [_effective_match(trie, depths, i) for i in range(1, trie.num_nodes)]
-    return _cut(tree, [0] + [LOOKUP] * (trie.num_nodes - 1), match, total_tokens)
+    return _cut(host, [0] + [LOOKUP] * (trie.num_nodes - 1), match, total_tokens, device)
 
 
 def graft(tree: DraftTree, trie: LookupTrie, cond: list[float], total_tokens: int,
           ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
     """Merge the trie into a greedy draft tree (see the module docstring); keep the best `total_tokens` nodes.
     Returns (tree, sources, effective match per node: 0 for pure draft nodes)."""
-    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
+    tokens, parents, scores = list(host.tokens), list(host.parents), list(host.scores)
     sources = [0] + [DRAFT] * (len(tokens) - 1)
     match = [0] * len(tokens)
     child_of = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
@@ -169,31 +167,25 @@ def graft(tree: DraftTree, trie: LookupTrie, cond: list[float], total_tokens: in
             sources[node] |= LOOKUP
         match[node] = _effective_match(trie, depths, i)
         mapped[i] = node
-    device = tree.tokens.device
-    merged = DraftTree.from_parents(
-        tokens=torch.tensor(tokens, device=device, dtype=tree.tokens.dtype),
-        parents=torch.tensor(parents, device=device),
-        scores=torch.tensor(scores, device=device, dtype=tree.scores.dtype),
-    )
-    return _cut(merged, sources, match, total_tokens)
+    return _cut(HostTree(tokens, parents, scores), sources, match, total_tokens, tree.tokens.device)
 
 
-def _cut(tree: DraftTree, sources: list[int], match: list[int], total_tokens: int,
+def _cut(host: HostTree, sources: list[int], match: list[int], total_tokens: int, device: torch.device,
          ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
-    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child)."""
-    if tree.num_nodes <= total_tokens:
-        return tree, sources, match
-    kept, parents = rerank(tree.scores[1:], tree.parents[1:] - 1, total_tokens)
-    index = torch.cat([torch.zeros(1, dtype=torch.long, device=kept.device), kept + 1])
-    cut = DraftTree.from_parents(tokens=tree.tokens[index], parents=parents, scores=tree.scores[index])
-    rows = index.tolist()
-    return cut, [sources[r] for r in rows], [match[r] for r in rows]
+    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host.
+    The scores are rounded to the tree's fp32 first, so that ties are those of the tensor it becomes."""
+    host = HostTree(host.tokens, host.parents, array("f", host.scores).tolist())
+    if len(host.parents) > total_tokens:
+        kept = cut_host(host, total_tokens)
+        host, sources, match = subtree(host, kept), [sources[r] for r in kept], [match[r] for r in kept]
+    return DraftTree.from_lists(host, device), sources, match
 
 
 def prune_nodes(tree: DraftTree, sources: list[int], match: list[int], n: int,
                 ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
     """The root and the tree's `n` best nodes (the cost model's choice of size)."""
-    return _cut(tree, sources, match, n + 1)
+    host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
+    return _cut(host, sources, match, n + 1, tree.tokens.device)
 
 
 @dataclass

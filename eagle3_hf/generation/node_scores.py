@@ -19,7 +19,17 @@ from transformers.generation import LogitsProcessorList
 
 from eagle3_hf.generation.tree import DraftTree
 
-__all__ = ["NodeScores"]
+__all__ = ["NodeScores", "reads_are_free"]
+
+# On a CPU reading a tensor's value on the host costs no synchronisation, so a greedy choice is read per visited node
+# (cheaper there than one argmax over every node, above). On an accelerator every read waits for the queued kernels:
+# the choices of every node of every row are then computed at once and read with the trees (engine.accept).
+# None: decided by the device (tests set it to run the accelerator's way on a CPU).
+READS_ARE_FREE: bool | None = None
+
+
+def reads_are_free(device: torch.device) -> bool:
+    return device.type == "cpu" if READS_ARE_FREE is None else READS_ARE_FREE
 
 
 @dataclass
@@ -36,8 +46,8 @@ class NodeScores:
     processors: LogitsProcessorList
     row: int = 0
     batch_size: int = 1
+    choices: list[int] | None = None  # the greedy choice at every node, when read with the tree (engine.accept)
     _processed: dict[int, torch.Tensor] = field(default_factory=dict)
-    _parents: list[int] | None = None
 
     def raw(self, node: int) -> torch.Tensor:
         """Node `node`'s logits in fp32, `[V]`."""
@@ -56,12 +66,11 @@ class NodeScores:
     def input_ids(self, node: int) -> torch.Tensor:
         """What plain decoding's input_ids are when it scores the token after `node`: the prefix, then the tokens of
         `node`'s path below the root, `[1, L + depth]`."""
-        if self._parents is None:
-            self._parents = self.tree.parents.tolist()
+        parents = self.tree.host.parents if self.tree.host is not None else self.tree.parents.tolist()
         path = []
         while node > 0:
             path.append(node)
-            node = self._parents[node]
+            node = parents[node]
         if not path:
             return self.prefix
         tokens = self.tree.tokens[torch.tensor(path[::-1], device=self.tree.tokens.device)]
@@ -69,7 +78,14 @@ class NodeScores:
 
     def greedy_choice(self, node: int) -> int:
         """The target's greedy token after `node`."""
-        return int(self.processed(node).argmax())
+        return self.choices[node] if self.choices is not None else int(self.processed(node).argmax())
+
+    def all_choices(self) -> torch.Tensor:
+        """The target's greedy token after every node, `[T]`, on the device (nothing read): without processors one
+        argmax over the raw rows (casting to fp32 changes no argmax), else each node processed on its own path."""
+        if len(self.processors) == 0:
+            return self.logits.argmax(dim=-1)
+        return torch.stack([self.processed(node) for node in range(self.tree.num_nodes)]).argmax(dim=-1)
 
     def probs(self, node: int) -> torch.Tensor:
         """The target's sampling distribution after `node`, `[V]` (the processors include any temperature)."""

@@ -18,7 +18,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.tree import target_tree_mask, tree_attention_mask
+from eagle3_hf.generation.target_cache import target_tree_mask
+from eagle3_hf.generation.tree import tree_attention_mask
 from eagle3_hf.modeling._compat import cache_kwargs
 
 __all__ = ["DEFAULT_PROBE_TREE", "ProbeResult", "probe_row_exactness"]

@@ -34,7 +34,7 @@ from eagle3_hf.generation.hybrid import (
 )
 from eagle3_hf.generation.sampled_trees import build_sampled_trees
 from eagle3_hf.generation.target_cache import worth_compacting
-from eagle3_hf.generation.tree import DraftTree
+from eagle3_hf.generation.tree import DraftTree, HostTree
 from eagle3_hf.generation.verification import AcceptResult
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
@@ -66,9 +66,7 @@ class Proposal:
 
 def root_only(token: int, device: torch.device) -> RowTree:
     """A tree of the root alone: the row takes a plain step."""
-    tree = DraftTree.from_parents(tokens=torch.tensor([token], device=device),
-                                  parents=torch.tensor([-1], device=device), scores=torch.zeros(1, device=device))  # fmt: skip
-    return RowTree(tree)
+    return RowTree(DraftTree.from_lists(HostTree([token], [-1], [0.0]), device))
 
 
 class Proposer:
@@ -89,9 +87,10 @@ class Proposer:
     def observe(self, run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None,
                 tokens: torch.Tensor, keep: torch.Tensor) -> None:  # fmt: skip
         """Each active row's accepted path (`results`), and per row the accepted tokens' features `[A, W, 3Ht]` with
-        the token that follows each `[A, W]` (`keep` `[A, W]`: the column is one of the row's)."""
+        the token that follows each `[A, W]` (`keep` `[A, W]`: the column is one of the row's). The proposal's trees
+        carry their `host` lists by then."""
 
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def select_rows(self, rows: list[int]) -> None:
         """Only the active rows `rows` (indices into the current ones) go on (the others finished)."""
 
 
@@ -113,8 +112,9 @@ class DraftProposer(Proposer):
         if run.adaptive_tree and not run.cost.consult_draft():
             return False, False
         catch_up(self.draft, self.state)  # the verified pairs since the last consultation; not a draft step
-        if worth_compacting(self.state.valid):  # rows accept paths of different lengths: holes pile up
-            self.state.compact()
+        longest = run.longest_cached()  # after catching up, each row's draft pairs are its tokens in the target cache
+        if worth_compacting(self.state.length, longest):  # rows accept paths of different lengths: holes pile up
+            self.state.compact(longest)
         if not run.adaptive_tree:
             return True, True
         probs = torch.softmax(self.state.last_logits.float() / run.temperature, dim=-1)
@@ -145,7 +145,7 @@ class DraftProposer(Proposer):
         self.state.add_verified(features, tokens, keep)
 
     def select_rows(self, rows) -> None:
-        self.state.select_rows(rows)
+        self.state.select_rows(torch.tensor(rows, device=self.draft.device))
 
 
 class LookupProposer(Proposer):
@@ -163,7 +163,7 @@ class LookupProposer(Proposer):
         """Each active row's (trie, conditional estimates) for this cycle, its index synced with its output."""
         out = []
         for lookup, row in zip(self.lookups, run.active):
-            lookup.sync(run.out[row, run.starts[row] : run.lengths[row]])
+            lookup.sync(run.tokens[row][run.starts[row] :])  # the host's copy of the row's output
             out.append(lookup.propose())
         return out
 
@@ -171,7 +171,7 @@ class LookupProposer(Proposer):
              tries: list[tuple[LookupTrie, list[float]]]) -> list[RowTree] | None:  # fmt: skip
         """Lookup-only trees (None when no row has a continuation)."""
         trees, total = [], run.budget.total_tokens
-        for root, (trie, cond) in zip(roots.tolist(), tries):
+        for root, (trie, cond) in zip(run.roots(), tries):
             if trie.num_nodes <= 1:
                 trees.append(root_only(root, run.device))
             elif run.do_sample:
@@ -190,10 +190,10 @@ class LookupProposer(Proposer):
             return
         for lookup, row, result in zip(self.lookups, proposal.rows, results):
             if row.match is not None:
-                lookup.observe(row.tree.parents.tolist(), row.match, result.path)
+                lookup.observe(row.tree.host.parents, row.match, result.path)
 
     def select_rows(self, rows) -> None:
-        self.lookups = [self.lookups[i] for i in rows.tolist()]
+        self.lookups = [self.lookups[i] for i in rows]
 
 
 class HybridProposer(Proposer):
@@ -225,8 +225,9 @@ class HybridProposer(Proposer):
             rows = [_sampled_graft(tree, trie, cond, c) if c else RowTree(tree)
                     for tree, (trie, cond), c in zip(trees, tries, chosen)]  # fmt: skip
         else:
+            drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
             rows = [RowTree(*graft(tree, trie, cond, total)) if trie.num_nodes > 1 else RowTree(tree)
-                    for tree, (trie, cond) in zip(self.draft.trees(run, roots), tries)]  # fmt: skip
+                    for tree, (trie, cond) in zip(drafted, tries)]  # fmt: skip
         return Proposal(rows, consulted=True)
 
     def observe(self, run, proposal, results, features, tokens, keep) -> None:

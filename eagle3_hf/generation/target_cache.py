@@ -23,8 +23,8 @@ from transformers.cache_utils import DynamicCache
 from eagle3_hf.generation.tree import DraftTree, tree_attention_mask
 
 __all__ = [
-    "PaddedTrees", "TargetColumns", "crop_cache", "editable_cache", "keep_paths", "pad_trees", "verify_mask",
-    "worth_compacting",
+    "PaddedTrees", "TargetColumns", "crop_cache", "editable_cache", "keep_paths", "pad_trees", "target_tree_mask",
+    "verify_mask", "worth_compacting",
 ]  # fmt: skip
 
 # Compact a cache when compaction would drop at least this many columns, and this fraction of the longest row's
@@ -33,12 +33,11 @@ COMPACT_RATIO = 0.25
 COMPACT_MIN_COLUMNS = 16
 
 
-def worth_compacting(valid: torch.Tensor) -> bool:
-    """Whether to compact a cache whose columns are valid per row as `valid` `[A, S]`: compaction can drop only the
-    columns beyond the longest row (the rest are some row's tokens); it pays when there are many of them, next to
-    what each forward attends to anyway."""
-    longest = int(valid.sum(dim=1).max())
-    removable = valid.shape[1] - longest
+def worth_compacting(columns: int, longest: int) -> bool:
+    """Whether to compact a cache of `columns` columns whose longest row holds `longest` tokens (numbers the host
+    knows: deciding reads nothing from the device): compaction can drop only the columns beyond the longest row (the
+    rest are some row's tokens); it pays when there are many of them, next to what each forward attends to anyway."""
+    removable = columns - longest
     return removable >= COMPACT_MIN_COLUMNS and removable > COMPACT_RATIO * longest
 
 
@@ -93,9 +92,9 @@ class TargetColumns:
         self.valid, self.positions = self.valid[rows], self.positions[rows]
         self.next_position = self.next_position[rows]
 
-    def compact(self, cache: DynamicCache) -> None:
-        """Per row, its valid columns in order, right-aligned after the fewest holes any row needs."""
-        keep = int(self.valid.sum(dim=1).max())
+    def compact(self, cache: DynamicCache, keep: int) -> None:
+        """Per row, its valid columns in order, right-aligned after the fewest holes any row needs (`keep` columns: the
+        most tokens a row has, which the caller knows without reading `valid`)."""
         order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, self.valid.shape[1] - keep :]
         for layer in _layers(cache):
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
@@ -125,7 +124,7 @@ def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTree
         tokens[row, :n] = tree.tokens
         depths[row, :n] = tree.depths
         if n > 1:
-            mask[row, :n, :n] = tree_attention_mask(tree.parents)
+            mask[row, :n, :n] = tree_attention_mask(tree.parents, check=False)  # the loop's own trees
     return PaddedTrees(tokens=tokens, positions=next_position[:, None] + depths, mask=mask,
                        sizes=[tree.num_nodes for tree in trees])  # fmt: skip
 
@@ -142,6 +141,16 @@ def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, 
     if window and not layer_types and getattr(text, "use_sliding_window", True):
         return _mask(columns, trees, dtype, window)
     return _mask(columns, trees, dtype)
+
+
+def target_tree_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:
+    """`verify_mask` for one tree (`tree_mask` `[T, T]` bool: a node sees itself and its ancestors) behind `past`
+    cached tokens of one row without holes, nodes at `past + depth`: `[1, 1, T, past + T]`, or per layer type."""
+    size = tree_mask.shape[0]
+    columns = TargetColumns.from_prompt(torch.ones(1, past, dtype=torch.long, device=tree_mask.device))
+    positions = past + tree_mask.sum(dim=-1)[None] - 1
+    trees = PaddedTrees(tokens=torch.zeros_like(positions), positions=positions, mask=tree_mask[None], sizes=[size])
+    return verify_mask(columns, trees, dtype, config)
 
 
 def _mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
@@ -162,14 +171,11 @@ def keep_paths(
 
     Returns the gather index `[A, W]` (node per kept column; 0 for a hole) and the kept columns `[A, W]` bool, and
     updates `columns`; the caller reuses them for the accepted nodes' features. Entries in place are not moved."""
-    rows = len(paths)
     width = max(len(path) for path in paths)
     device = columns.valid.device
-    index = torch.zeros(rows, width, dtype=torch.long, device=device)
-    keep = torch.zeros(rows, width, dtype=torch.bool, device=device)
-    for row, path in enumerate(paths):
-        index[row, : len(path)] = torch.tensor(path, device=device)
-        keep[row, : len(path)] = True
+    index = torch.tensor([path + [0] * (width - len(path)) for path in paths], device=device)  # one copy to the device
+    lengths = torch.tensor([len(path) for path in paths], device=device)
+    keep = torch.arange(width, device=device)[None] < lengths[:, None]  # [A, W]
     if any(path != list(range(len(path))) for path in paths):
         for layer in _layers(cache):
             for name in ("keys", "values"):

@@ -15,8 +15,8 @@ Building greedy (temperature 0) trees, EAGLE-2 style (``drafting.build_greedy_tr
 1. every frontier node gets its ``top_k`` best children with cumulative scores (sum of draft log-probs along the
    path);
 2. the ``top_k`` best of those ``k_f * top_k`` children become the next frontier;
-3. after the last level, ``rerank`` keeps the ``total_tokens - 1`` best candidates over all levels and
-   returns the parent array of the final tree (root first, parents before children).
+3. after the last level, the ``total_tokens - 1`` best candidates over all levels are kept, parents before
+   children (``cut_host`` on the host; its batched twin on the device in drafting.py).
 
 Building sampled (temperature > 0) trees needs a different rule. Verification by recursive rejection sampling
 (``verification.sample_accept``) is lossless only if each node's children are draws *without replacement* from
@@ -29,23 +29,46 @@ expanded node (and which nodes to expand) decided before drawing them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 
 __all__ = [
     "DraftTree",
+    "HostTree",
     "children_lists",
-    "rerank",
+    "cut_host",
+    "read_on_host",
+    "subtree",
     "sample_children",
-    "target_tree_mask",
     "tree_attention_mask",
     "tree_depths",
-    "verification_mask",
 ]
+
+
+class HostTree(NamedTuple):
+    """A tree's tokens, parents and scores as Python lists: what the decoding loop reads on the host."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]
+
+
+def read_on_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Every tensor's values as a flat list, read in one device-to-host copy (one synchronisation, not one per
+    tensor; float64 holds token ids and fp32 scores exactly)."""
+    if not tensors:
+        return []
+    values = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(values[start : start + t.numel()])
+        start += t.numel()
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,6 +83,8 @@ class DraftTree:
         draft_probs: optional ``FloatTensor [T, V]``; row ``i`` is the draft distribution over the target
             vocabulary from which node ``i``'s children were drawn (sampled trees only; rows of unexpanded
             nodes are unused).
+        host: the same tokens, parents and scores as lists, when the tree was built from lists or was read
+            (``with_hosts``); None otherwise.
     """
 
     tokens: torch.Tensor
@@ -67,6 +92,7 @@ class DraftTree:
     depths: torch.Tensor
     scores: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    host: HostTree | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_parents(
@@ -78,6 +104,30 @@ class DraftTree:
     ) -> "DraftTree":
         """Build a tree, deriving the depths from `parents`."""
         return cls(tokens=tokens, parents=parents, depths=tree_depths(parents), scores=scores, draft_probs=draft_probs)
+
+    @classmethod
+    def from_lists(cls, host: HostTree, device: torch.device, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A tree built on the host: its tensors are copied to `device` and nothing is read back."""
+        depths = [0] * len(host.parents)
+        for node in range(1, len(host.parents)):
+            depths[node] = depths[host.parents[node]] + 1
+        return cls(
+            tokens=torch.tensor(host.tokens, device=device), parents=torch.tensor(host.parents, device=device),
+            depths=torch.tensor(depths, device=device), scores=torch.tensor(host.scores, device=device),
+            draft_probs=draft_probs, host=host,
+        )
+
+    @staticmethod
+    def with_hosts(trees: list[DraftTree], extra: list[torch.Tensor] = ()) -> tuple[list[DraftTree], list[list]]:
+        """`trees`, each with its `host` lists, and the values of the `extra` tensors: what is not on the host yet is
+        read in one copy for all of them."""
+        missing = [tree for tree in trees if tree.host is None]
+        values = read_on_host([t for tree in missing for t in (tree.tokens, tree.parents, tree.scores)] + list(extra))
+        rest, hosted = iter(values[: 3 * len(missing)]), {}
+        for tree in missing:
+            host = HostTree([int(x) for x in next(rest)], [int(x) for x in next(rest)], next(rest))
+            hosted[id(tree)] = dataclasses.replace(tree, host=host)
+        return [hosted.get(id(tree), tree) for tree in trees], values[3 * len(missing) :]
 
     def __post_init__(self):
         num_nodes = self.parents.shape[0] if self.parents.dim() == 1 else -1
@@ -113,9 +163,11 @@ def _check_parents(parents: torch.Tensor) -> None:
         )
 
 
-def tree_attention_mask(parents: torch.Tensor) -> torch.Tensor:
-    """``BoolTensor [T, T]``: row ``i`` is True at ``i`` itself and at each of its ancestors."""
-    _check_parents(parents)
+def tree_attention_mask(parents: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """``BoolTensor [T, T]``: row ``i`` is True at ``i`` itself and at each of its ancestors. `check=False` skips
+    validating `parents` (which reads it on the host), for trees the decoding loop built itself."""
+    if check:
+        _check_parents(parents)
     num_nodes = parents.shape[0]
     device = parents.device
     index = torch.arange(num_nodes, device=device)
@@ -136,114 +188,41 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     return tree_attention_mask(parents).sum(dim=-1) - 1
 
 
-def children_lists(parents: torch.Tensor) -> list[list[int]]:
-    """Children of every node, each list in index (== sibling) order."""
-    _check_parents(parents)
-    parent_list = parents.tolist()
+def children_lists(parents: torch.Tensor | list[int]) -> list[list[int]]:
+    """Children of every node, each list in index (== sibling) order (`parents` a tensor, checked, or a tree's host
+    list)."""
+    if isinstance(parents, torch.Tensor):
+        _check_parents(parents)
+    parent_list = parents.tolist() if isinstance(parents, torch.Tensor) else parents
     children: list[list[int]] = [[] for _ in parent_list]
     for node, parent in enumerate(parent_list[1:], start=1):
         children[parent].append(node)
     return children
 
 
-def verification_mask(
-    tree_mask: torch.Tensor,
-    past_length: int,
-    dtype: torch.dtype,
-    sliding_window: int | None = None,
-    positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Additive attention mask ``[1, 1, T, past_length + T]`` for verifying a tree on top of a cache.
-
-    0 means attend, ``torch.finfo(dtype).min`` means masked. Every past column is visible and the tree block is
-    ``tree_mask``. With ``sliding_window=W``, key ``j`` is also masked for query ``i`` when
-    ``pos_i - pos_j >= W`` (HF's ``sliding_window_overlay``: a query sees the last W positions, itself included).
-    Past key ``j`` has position ``j`` (a full, untruncated cache); tree node ``k`` has position
-    ``positions[k]``, by default ``past_length + depth_k``.
-    """
-    if tree_mask.dim() != 2 or tree_mask.shape[0] != tree_mask.shape[1] or tree_mask.dtype != torch.bool:
-        raise ValueError(
-            f"`tree_mask` must be a square bool tensor [T, T], got shape {tuple(tree_mask.shape)} and dtype "
-            f"{tree_mask.dtype}"
-        )
-    if past_length < 0:
-        raise ValueError(f"`past_length` must be >= 0, got {past_length}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"`sliding_window` must be >= 1 or None, got {sliding_window}")
-    if not dtype.is_floating_point:
-        raise ValueError(f"`dtype` must be a floating dtype for an additive mask, got {dtype}")
-    num_nodes = tree_mask.shape[0]
-    device = tree_mask.device
-
-    visible = torch.cat(
-        [torch.ones(num_nodes, past_length, dtype=torch.bool, device=device), tree_mask], dim=-1
-    )  # [T, past_length + T]
-    if sliding_window is not None:
-        if positions is None:
-            positions = tree_mask.sum(dim=-1) - 1 + past_length
-        elif positions.shape != (num_nodes,):
-            raise ValueError(f"`positions` must have shape [{num_nodes}], got {tuple(positions.shape)}")
-        positions = positions.to(device=device, dtype=torch.long)
-        key_positions = torch.cat([torch.arange(past_length, device=device), positions])
-        visible = visible & (positions[:, None] - key_positions[None, :] < sliding_window)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def rerank(
-    candidate_scores: torch.Tensor, candidate_parents: torch.Tensor, total_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep the ``total_tokens - 1`` best candidates and build the parent array of the final tree.
-
-    Args:
-        candidate_scores: ``[N]`` cumulative scores of all candidates.
-        candidate_parents: ``[N]`` index of each candidate's parent in the candidate list (``-1``: child of the
-            root); must be smaller than the candidate's own index.
-        total_tokens: size of the final tree, root included.
-
-    Returns:
-        ``(kept [M], parents [1 + M])``: ``kept`` are candidate indices sorted ascending, with
-        ``M = min(N, total_tokens - 1)``; final node ``m + 1`` is candidate ``kept[m]``, node 0 is the root.
-
-    Ties are broken towards the lower index, so with scores that never increase from parent to child (true for
-    sums of log-probs) a kept node's parent is always kept; a violation raises ``ValueError``.
-    """
+def cut_host(host: HostTree, total_tokens: int) -> list[int]:
+    """The root and the ``total_tokens - 1`` best other nodes of a tree (by score, ties towards the lower index),
+    ascending. With scores that never increase from parent to child a kept node's parent is kept;
+    a violation raises ``ValueError``."""
     if total_tokens < 1:
         raise ValueError(f"`total_tokens` must be >= 1 (it counts the root), got {total_tokens}")
-    if candidate_scores.dim() != 1 or candidate_parents.shape != candidate_scores.shape:
+    best = sorted(range(1, len(host.parents)), key=lambda node: (-host.scores[node], node))[: total_tokens - 1]
+    kept = [0] + sorted(best)
+    chosen = set(kept)
+    bad = [node for node in kept[1:] if host.parents[node] not in chosen]
+    if bad:
         raise ValueError(
-            f"expected candidate_scores [N] and candidate_parents [N], got {tuple(candidate_scores.shape)} and "
-            f"{tuple(candidate_parents.shape)}"
+            f"node {bad[0]} is kept but its parent {host.parents[bad[0]]} is not: scores must not increase from "
+            f"parent to child, got scores {host.scores}"
         )
-    device = candidate_scores.device
-    num_candidates = candidate_scores.shape[0]
-    candidate_parents = candidate_parents.to(device=device, dtype=torch.long)
-    index = torch.arange(num_candidates, device=device)
-    if not bool(((candidate_parents >= -1) & (candidate_parents < index)).all()):
-        raise ValueError(
-            f"`candidate_parents` must satisfy -1 <= candidate_parents[i] < i, got {candidate_parents.tolist()}"
-        )
+    return kept
 
-    num_kept = min(num_candidates, total_tokens - 1)
-    # A stable descending sort keeps equal scores in index order: the lower index (a parent before its child) wins.
-    order = torch.sort(candidate_scores, descending=True, stable=True).indices
-    kept = torch.sort(order[:num_kept]).values
 
-    # new_index[c] = final tree index of candidate c (0 = not kept).
-    new_index = torch.zeros(num_candidates, dtype=torch.long, device=device)
-    new_index[kept] = torch.arange(1, num_kept + 1, device=device)
-    kept_parents = candidate_parents[kept]
-    has_candidate_parent = kept_parents >= 0
-    mapped = torch.where(has_candidate_parent, new_index[kept_parents.clamp(min=0)], 0)
-    if bool((has_candidate_parent & (mapped == 0)).any()):
-        bad = int(kept[has_candidate_parent & (mapped == 0)][0])
-        raise ValueError(
-            f"candidate {bad} is kept but its parent {int(candidate_parents[bad])} is not: scores must not increase "
-            f"from parent to child, got candidate_scores {candidate_scores.tolist()}"
-        )
-    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), mapped])
-    return kept, parents
+def subtree(host: HostTree, kept: list[int]) -> HostTree:
+    """The nodes `kept` (ascending, parents kept before their children) as a tree of their own."""
+    new = {node: i for i, node in enumerate(kept)}
+    parents = [-1] + [new[host.parents[node]] for node in kept[1:]]
+    return HostTree([host.tokens[n] for n in kept], parents, [host.scores[n] for n in kept])
 
 
 def sample_children(
@@ -288,18 +267,3 @@ def sample_children(
     gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny)))
     keys = (log_q + gumbel).nan_to_num(nan=-math.inf)  # -inf + finite stays -inf; guards nan logits
     return keys.topk(num).indices
-
-
-def target_tree_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:
-    """4D additive tree mask for one row of the target behind `past` cached tokens (`verification_mask`); a
-    per-layer-type dict when the target mixes sliding-window layers."""
-    text = config.get_text_config()
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    full = verification_mask(tree_mask, past, dtype)
-    if window and layer_types and "sliding_attention" in layer_types:
-        sliding = verification_mask(tree_mask, past, dtype, sliding_window=window)
-        return {"full_attention": full, "sliding_attention": sliding}
-    if window and not layer_types and getattr(text, "use_sliding_window", True):
-        return verification_mask(tree_mask, past, dtype, sliding_window=window)
-    return full

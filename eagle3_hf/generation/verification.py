@@ -24,7 +24,7 @@ import torch
 from .tree import children_lists
 
 
-__all__ = ["AcceptResult", "greedy_accept", "rrs_step", "sample_accept"]
+__all__ = ["AcceptResult", "greedy_accept", "greedy_walk", "rrs_step", "sample_accept"]
 
 ProbsSource = torch.Tensor | Callable[[int], torch.Tensor]
 
@@ -81,15 +81,18 @@ def greedy_accept(
         next_of = target_next
     else:
         raise ValueError(f"`target_next` must be a [T] tensor or a callable node -> token, got {type(target_next)}")
-    children = children_lists(parents)
-    token_list = tokens.tolist()
+    return greedy_walk(tokens.tolist(), children_lists(parents), next_of)
+
+
+def greedy_walk(tokens: list[int], children: list[list[int]], next_of: Callable[[int], int]) -> AcceptResult:
+    """`greedy_accept` on a tree read on the host: its tokens and each node's children (`tree.children_lists`)."""
     path = [0]
     node = 0
     while True:
         wanted = int(next_of(node))
-        match = next((child for child in children[node] if token_list[child] == wanted), None)
+        match = next((child for child in children[node] if tokens[child] == wanted), None)
         if match is None:
-            return AcceptResult(path=path, bonus_token=int(wanted))
+            return AcceptResult(path=path, bonus_token=wanted)
         path.append(match)
         node = match
 

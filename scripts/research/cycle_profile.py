@@ -40,7 +40,8 @@ from eagle3_hf.generation import drafting, engine, exact_attention, proposers
 from eagle3_hf.generation.engine import CycleRecord
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.target_cache import crop_cache
-from eagle3_hf.generation.tree import target_tree_mask, tree_attention_mask, tree_depths
+from eagle3_hf.generation.target_cache import target_tree_mask
+from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
 from eagle3_hf.hub import default_prompts_path, load_draft_for
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears

@@ -16,9 +16,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from eagle3_hf.generation.target_cache import crop_cache
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.tree import target_tree_mask
+from eagle3_hf.generation.target_cache import crop_cache, target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask
 from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
