@@ -1,5 +1,5 @@
-"""The decoding-time draft forward (`draft_forward` over a `DraftKV` buffer) against `Eagle3DraftModel.forward`, for
-one row and for several."""
+"""The decoding-time draft forward (the model's forward over a `DraftKV` buffer, `draft_forward`) against
+`Eagle3DraftModel.forward` with a cache, and against the parallel forward decoding used to have, for one row and several."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.generation.draft_step import DraftKV, causal_block, draft_forward
+from eagle3_hf.generation.draft_step import DraftKV, DraftKVAttention, _attend, causal_block, draft_forward
 from eagle3_hf.generation.drafting import top_children
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -151,3 +151,59 @@ def test_rows_of_a_batch_compute_what_each_row_alone_does():
     assert kv.keys.shape[1] == 1
     with pytest.raises(ValueError, match="rows >= 1"):
         DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), rows=0)
+
+
+def _former_draft_forward(draft, kv, input_ids, hidden, positions, slot, mask):
+    """The decoding forward as generation/draft_step.py wrote it out beside the model's (before #49 item 1)."""
+    embeds = draft.embed_tokens(input_ids).to(hidden.dtype)
+    rotary = draft.rotary_emb(hidden, positions)
+    out = hidden
+    for index, layer in enumerate(draft.draft_layers()):
+        attn = layer.self_attn
+        x, residual = layer.layer_input(embeds, out)
+        q, k, v = layer.qkv(x, rotary)
+        keys, values = kv.write(slot, k, v, index)
+        attended = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
+        out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)))
+    normed = draft.norm(out)
+    return normed, normed if draft.config.norm_output else out
+
+
+@pytest.mark.parametrize("family, layers", [("llama", 1), ("llama", 2), ("gemma3", 3), ("qwen3-qk-norm", 2)])
+def test_the_model_forward_with_the_decoding_attention_is_the_former_decoding_forward(family, layers):
+    """Bit for bit (fp32): two rows with holes, a prefix then a tree level over the buffer."""
+    torch.manual_seed(0)
+    target = TARGETS[family]().eval()
+    draft = Eagle3DraftModel.from_target(target, draft_vocab_size=50, num_hidden_layers=layers).eval()
+    ids = torch.randint(3, 200, (2, 6))
+    with torch.no_grad():
+        hidden = draft.fuse(draft.target_features(target(ids, output_hidden_states=True).hidden_states))
+        allowed = torch.ones(6, 6, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+        allowed[1, :, :2] = False  # row 1's first two columns are holes, which see only themselves
+        allowed[1, 0, 0] = allowed[1, 1, 1] = True
+        positions = torch.stack([torch.arange(6), (torch.arange(6) - 2).clamp(min=0)])
+        level = torch.randint(3, 200, (2, 3))
+        tree = torch.cat([allowed[:, -1:].expand(2, 3, 6), torch.eye(3, dtype=torch.bool).expand(2, 3, 3)], dim=2)
+        results = []
+        for run in ("model", "former"):
+            kv = DraftKV.for_draft(draft, capacity=4, rows=2)
+            steps = [(ids, hidden, positions, 0, _additive(allowed)), (level, None, positions[:, -1:].expand(2, 3) + 1,
+                     6, _additive(tree))]  # fmt: skip
+            outs = []
+            for tokens, state, pos, slot, mask in steps:
+                state = outs[-1][1][:, -1:].expand(2, 3, -1) if state is None else state
+                if run == "model":
+                    out = draft(tokens, hidden_states=state, position_ids=pos, attention_mask=mask,
+                                attention=DraftKVAttention(kv, slot), skip_logits=True)  # fmt: skip
+                    assert out.logits is None
+                    outs.append((out.normed_hidden_state, out.last_hidden_state))
+                else:
+                    outs.append(_former_draft_forward(draft, kv, tokens, state, pos, slot, mask))
+            results.append((outs, kv.keys[:, :, :, :9].clone(), kv.values[:, :, :, :9].clone()))
+    (model_outs, model_keys, model_values), (former_outs, former_keys, former_values) = results
+    for (normed, feedback), (former_normed, former_feedback) in zip(model_outs, former_outs):
+        assert torch.equal(normed, former_normed) and torch.equal(feedback, former_feedback)
+    assert torch.equal(model_keys, former_keys) and torch.equal(model_values, former_values)
+    assert model_keys.shape[0] == layers and model_keys.abs().sum() > 0
+    with pytest.raises(ValueError, match="not both"):
+        draft(ids, hidden_states=hidden, attention=DraftKVAttention(kv, 0), use_cache=True)

@@ -1,13 +1,13 @@
-"""The draft's forward at decoding time: its layer(s) over a preallocated KV buffer, in few tensor ops, for A rows.
+"""The draft at decoding time: its own forward attending over a preallocated KV buffer, for A rows.
 
-`Eagle3DraftModel.forward` is the general entry point (training, any cache, 2D or 4D masks). Drafting a tree calls
-the draft once per level on a handful of nodes per row, where per-call overheads cost as much as the matmuls: a
-`DynamicCache` concatenates its whole history on every update and is cropped again after each tree, the attention
-module goes through transformers' dispatch, and the mask is rebuilt in full. `draft_forward` computes the same
-function (each layer's own norms, projections and MLP, `qkv` for the rotation) with keys and values written into a
-`DraftKV` buffer at chosen slots: slots past `length` hold a tree's nodes and are simply overwritten by the next tree.
-A deeper draft writes every layer's keys/values at the same slots, so one `length` serves them all. Rows of a batch
-share the slots column by column (drafting.py's `DraftState.valid` says which columns are a row's own).
+Drafting a tree calls the draft once per level on a handful of nodes per row, where per-call overheads cost as much
+as the matmuls: a `DynamicCache` concatenates its whole history on every update and is cropped again after each tree,
+the attention module goes through transformers' dispatch, and the mask is rebuilt in full. So decoding runs
+`Eagle3DraftModel.forward` with a `DraftKVAttention` as its `attention`: each layer's keys and values are written into
+a `DraftKV` buffer at chosen slots, and the layer attends over the buffer under the caller's additive mask; slots past
+`length` hold a tree's nodes and are simply overwritten by the next tree. A deeper draft writes every layer's
+keys/values at the same slots, so one `length` serves them all. Rows of a batch share the slots column by column
+(drafting.py's `DraftState.valid` says which columns are a row's own). `draft_forward` is that call.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
-__all__ = ["DraftKV", "causal_block", "draft_forward"]
+__all__ = ["DraftKV", "DraftKVAttention", "causal_block", "draft_forward"]
 
 
 class DraftKV:
@@ -116,6 +117,25 @@ def _attend(
     return out.reshape(rows, heads, seq, dim)
 
 
+class DraftKVAttention:
+    """The draft's attention at decoding time (a `DraftAttention`): each layer writes its keys/values into `kv` at
+    slots ``[slot, slot + S)`` and attends over slots ``[0, slot + S)`` under the additive mask the forward was given
+    (``[A, S, slot + S]``, ``[S, slot + S]`` the same for every row, or None to see every slot)."""
+
+    __slots__ = ("kv", "slot")
+
+    def __init__(self, kv: DraftKV, slot: int) -> None:
+        self.kv, self.slot = kv, slot
+
+    def __call__(
+        self, layer: Eagle3DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        attn = layer.self_attn
+        keys, values = self.kv.write(self.slot, k, v, layer.layer_idx)
+        attended = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
+        return attended.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)  # [A, S, heads*d]
+
+
 def draft_forward(
     draft: Eagle3DraftModel,
     kv: DraftKV,
@@ -126,7 +146,7 @@ def draft_forward(
     mask: torch.Tensor | None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft step over `S` new columns of A rows, as `Eagle3DraftModel.forward` computes it.
+    """One draft step over `S` new columns of A rows: the draft's forward over `kv`, without the head.
 
     Args:
         input_ids: `[A, S]` the target ids that follow each hidden state.
@@ -141,15 +161,13 @@ def draft_forward(
     Returns:
         (the normed output `[A, S, H]`, for the head; the state to feed back `[A, S, H]`).
     """
-    embeds = draft.embed_tokens(input_ids).to(hidden.dtype)
-    rotary = rotary or draft.rotary_emb(hidden, positions)
-    out = hidden
-    for index, layer in enumerate(draft.draft_layers()):  # each layer over the one below's output, same slots
-        attn = layer.self_attn
-        x, residual = layer.layer_input(embeds, out)  # [A, S, 2H] (layer 0) or [A, S, H], and [A, S, H]
-        q, k, v = layer.qkv(x, rotary)  # [A, h, S, d], [A, kv, S, d] x2
-        keys, values = kv.write(slot, k, v, index)
-        attended = _attend(q, keys, values, mask, attn.scaling, getattr(attn, "attn_logit_softcapping", None))
-        out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)))
-    normed = draft.norm(out)
-    return normed, normed if draft.config.norm_output else out
+    out = draft(
+        input_ids,
+        hidden_states=hidden,
+        position_ids=positions,
+        attention_mask=mask,
+        attention=DraftKVAttention(kv, slot),
+        position_embeddings=rotary,
+        skip_logits=True,
+    )
+    return out.normed_hidden_state, out.last_hidden_state

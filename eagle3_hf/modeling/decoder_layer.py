@@ -3,11 +3,18 @@
 Layer 0 (the EAGLE-3 layer, ``midlayer``) reads ``[input_layernorm(embed(x)) | hidden_norm(g)]`` (``[B, S, 2H]``);
 its residual is ``g`` (or ``hidden_norm(g)`` with ``norm_before_residual``). Layers 1.. of a deeper draft are the
 family's ordinary pre-norm layers over the layer below's output ``o``: input ``input_layernorm(o)`` (``[B, S, H]``),
-residual ``o``, no ``hidden_norm`` (as vLLM's multi-layer Llama EAGLE-3 draft builds them). `qkv` exposes the
-projection and rotation alone, for the training-time-test loop, which attends with its own mask structure.
+residual ``o``, no ``hidden_norm`` (as vLLM's multi-layer Llama EAGLE-3 draft builds them).
+
+Every caller runs the layer's own forward. What differs between them is the attention kernel and where its keys and
+values live: by default the family's attention module with a transformers `Cache`; given a `DraftAttention`, the
+layer computes q/k/v itself (`qkv`, the family's projections, norms and rotation) and the attention object attends
+(decoding over a preallocated buffer of tree nodes, `eagle3_hf.generation.draft_step`; the training-time-test step's
+joint attention over earlier steps' keys, `eagle3_hf.training.ttt_layer`).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -18,7 +25,26 @@ from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 from eagle3_hf.modeling.families import get_family
 
-__all__ = ["Eagle3DecoderLayer"]
+__all__ = ["DraftAttention", "Eagle3DecoderLayer"]
+
+
+class DraftAttention(Protocol):
+    """The attention a caller gives the draft's forward in place of the family's attention module and cache.
+
+    Called once per decoder layer with that layer, its rotated query ``[B, heads, S, d]``, key and value
+    ``[B, kv_heads, S, d]`` (kv heads, not repeated) and the `attention_mask` the forward was given (the object
+    defines its form); returns the attention output ``[B, S, heads * d]``, before `o_proj`. It may keep the keys and
+    values (``layer.layer_idx`` says whose they are).
+    """
+
+    def __call__(
+        self,
+        layer: Eagle3DecoderLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor: ...
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -75,8 +101,8 @@ class Eagle3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projected, normed (q/k norms where the family has them) and rotated q, k, v `[B, heads, S, d]`.
 
-        The same computation the family's attention class does before its attention kernel; the
-        training-time-test loop uses it to attend with its own cheap mask structure.
+        The same computation the family's attention class does before its attention kernel; the layer uses it when
+        it is given a `DraftAttention`.
         """
         attn = self.self_attn
         shape = (*x.shape[:-1], -1, attn.head_dim)
@@ -96,8 +122,15 @@ class Eagle3DecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         cache: Cache | None = None,
+        attention: DraftAttention | None = None,
     ) -> torch.Tensor:
+        """The layer's output `[B, S, H]` over `embeds` `[B, S, H]` and `hidden` `[B, S, H]`: the family's attention
+        module (with `cache`, a transformers `Cache`) by default, `attention` instead when given (`DraftAttention`:
+        the layer's projected and rotated q/k/v, and `attention_mask` as the caller gave it)."""
         x, residual = self.layer_input(embeds, hidden)
+        if attention is not None:
+            q, k, v = self.qkv(x, position_embeddings)  # [B, heads, S, d], [B, kv, S, d] x2
+            return self.finish(residual, self.self_attn.o_proj(attention(self, q, k, v, attention_mask)))
         attn_output, _ = self.self_attn(
             hidden_states=x,
             position_embeddings=position_embeddings,

@@ -34,9 +34,10 @@ from eagle3_hf.modeling.atomic import apply_umask
 from eagle3_hf.modeling.checkpoints import load_draft
 from eagle3_hf.modeling.embedding import set_embedding, stored_embedding, target_embedding
 from eagle3_hf.modeling.families import get_family
+from eagle3_hf.modeling.masks import additive_mask, causal_mask
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
-from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
+from eagle3_hf.modeling.decoder_layer import DraftAttention, Eagle3DecoderLayer
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 
 # What `Eagle3DraftModel.bind` runs. The decoding loop lives above this package, so it registers itself here when
@@ -60,23 +61,18 @@ class Eagle3DraftOutput(ModelOutput):
         logits: `[B, S, draft_vocab_size]` scores over the draft vocabulary (map ids with `d2t`).
         last_hidden_state: `[B, S, hidden_size]` the state to feed back as `hidden_states` on the next step.
         cache: the draft's KV cache, when one was given or `use_cache=True`.
+        normed_hidden_state: `[B, S, hidden_size]` the head's input `norm(o)` (the logits are `lm_head` of it).
     """
 
     logits: torch.FloatTensor | None = None
     last_hidden_state: torch.FloatTensor | None = None
     cache: Cache | None = None
+    normed_hidden_state: torch.FloatTensor | None = None
 
 
 def select_target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """Concatenate the tapped target states (indices into `output_hidden_states`) -> `[B, S, 3*Ht]`."""
     return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask (True = attend) -> additive float mask (0 / finfo.min), right for eager and sdpa."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )
 
 
 class Eagle3PreTrainedModel(PreTrainedModel):
@@ -224,28 +220,6 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             x = self.input_norm(x)
         return self.fc(x)
 
-    def causal_mask(
-        self,
-        batch: int,
-        seq: int,
-        past: int,
-        attention_mask: torch.Tensor | None,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Additive `[B, 1, S, past+S]` mask: causal, plus 2D padding when given."""
-        q_pos = torch.arange(past, past + seq, device=device)[:, None]
-        allowed = torch.arange(past + seq, device=device)[None, :] <= q_pos  # [S, past+S]
-        allowed = allowed[None, None].expand(batch, 1, seq, past + seq)
-        if attention_mask is not None:
-            if attention_mask.shape != (batch, past + seq):
-                raise ValueError(
-                    f"A 2D attention_mask must have shape (batch, past+seq)=({batch}, {past + seq}), "
-                    f"got {tuple(attention_mask.shape)}."
-                )
-            allowed = allowed & attention_mask[:, None, None, :].bool()
-        return additive_mask(allowed, dtype)
-
     # ----------------------------------------------------------------------------------------------
     def forward(
         self,
@@ -257,6 +231,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         cache: Cache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int = 0,
+        attention: DraftAttention | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        skip_logits: bool = False,
         **kwargs: Any,
     ) -> Eagle3DraftOutput:
         r"""One draft step over `S` positions.
@@ -266,9 +243,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             target_hidden_states: `[B, S, 3*Ht]` the target taps low|mid|high; `fc` is applied.
             hidden_states: `[B, S, H]` the draft's own fed-back state. Give exactly one of the two.
             position_ids: `[B, S]` RoPE positions; default continues after the cache.
-            attention_mask: 2D padding mask `[B, past+S]`, or a 4D mask `[B, 1, S, past+S]` (bool or additive).
+            attention_mask: 2D padding mask `[B, past+S]`, or a 4D mask `[B, 1, S, past+S]` (bool or additive); with
+                `attention`, whatever that object reads, passed to it as it is.
             cache: a transformers `Cache` holding the draft's earlier keys/values.
             logits_to_keep: if > 0, compute logits only for the last that many positions.
+            attention: a `DraftAttention` that every layer attends with instead of the family's attention module and
+                a cache (it keeps the keys/values itself): decoding's buffer over tree nodes, the TTT step's joint
+                attention. No mask is built and no cache is used.
+            position_embeddings: RoPE `(cos, sin)` for the positions, when the caller has them; else computed.
+            skip_logits: leave the head out (`logits` is None; `normed_hidden_state` is its input), for callers
+                that run it on some rows only.
         """
         if kwargs.get("past_key_values") is not None and cache is None:
             cache = kwargs.pop("past_key_values")
@@ -282,6 +266,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 "This draft has no token embedding: the checkpoint did not include one. Pass the target, e.g. "
                 "`Eagle3DraftModel.from_pretrained(path, target=target)` or `draft.load_target_embedding(target)`."
             )
+        if attention is not None and (cache is not None or use_cache):
+            raise ValueError("Give Eagle3DraftModel.forward a cache or an `attention` (which keeps its keys), not both.")
         batch, seq = input_ids.shape
         if hidden_states is None:
             hidden_states = self.fuse(target_hidden_states)
@@ -293,29 +279,33 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(past, past + seq, device=input_ids.device)[None].expand(batch, seq)
-        if attention_mask is None or attention_mask.dim() == 2:
-            mask = self.causal_mask(batch, seq, past, attention_mask, hidden_states.dtype, hidden_states.device)
+        if attention is not None:  # the attention object reads the mask as it is
+            mask = attention_mask
+        elif attention_mask is None or attention_mask.dim() == 2:
+            mask = causal_mask(batch, seq, past, attention_mask, hidden_states.dtype, hidden_states.device)
         elif attention_mask.dtype == torch.bool:
             mask = additive_mask(attention_mask, hidden_states.dtype)
         else:
             mask = attention_mask
         embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if position_embeddings is None:
+            if position_ids is None:
+                position_ids = torch.arange(past, past + seq, device=input_ids.device)[None].expand(batch, seq)
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
         out = hidden_states
         for layer in self.draft_layers():  # the same mask and positions; the cache keeps one entry per layer
             layer.self_attn.config._attn_implementation = self.config._attn_implementation
+            args = (embeds, out, position_embeddings, mask, cache, attention)
             if self.gradient_checkpointing and self.training:
-                out = self._gradient_checkpointing_func(layer.__call__, embeds, out, position_embeddings, mask, cache)
+                out = self._gradient_checkpointing_func(layer.__call__, *args)
             else:
-                out = layer(embeds, out, position_embeddings, mask, cache)
+                out = layer(*args)
         normed = self.norm(out)
-        head_input = normed[:, -logits_to_keep:] if logits_to_keep > 0 else normed
-        logits = self.lm_head(head_input)
-        return Eagle3DraftOutput(
-            logits=logits, last_hidden_state=normed if self.config.norm_output else out, cache=cache
-        )
+        logits = None
+        if not skip_logits:
+            logits = self.lm_head(normed[:, -logits_to_keep:] if logits_to_keep > 0 else normed)
+        feedback = normed if self.config.norm_output else out
+        return Eagle3DraftOutput(logits=logits, last_hidden_state=feedback, cache=cache, normed_hidden_state=normed)
 
     # ----------------------------------------------------------------------------------------------
     # checkpoints (layout detection and loading live in eagle3_hf.modeling.checkpoints)

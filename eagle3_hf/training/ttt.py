@@ -22,10 +22,9 @@ layer ``l - 1``'s output of the same step (one layer's step: `eagle3_hf.training
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
 positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S``
 instead, which makes the loss scale (hence the effective learning rate) depend on prompt length and padding; a
-per-supervised-token mean does not. As
-in the official code and SpecForge, positions whose target top token lies outside the draft vocabulary carry no
-loss: greedy verification rejects every draft token there, so training them towards the best in-vocabulary token
-only takes capacity. They still count in the accuracy, as misses: accuracy is measured against the target's top
+per-supervised-token mean does not. As in the official code and SpecForge, positions whose target top token lies
+outside the draft vocabulary carry no loss: greedy verification rejects every draft token there, so training them
+towards the best in-vocabulary token only takes capacity. They still count in the accuracy, as misses: accuracy is measured against the target's top
 token over its FULL vocabulary, which is what acceptance measures.
 
 Cost: the head over a 16k-id draft vocabulary and its softmax are most of a step's work, and neither prompts nor
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_outputs import ModelOutput
 
+from eagle3_hf.modeling.masks import causal_mask
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.ttt_layer import routed_layer_step
 
@@ -227,7 +227,7 @@ def ttt_forward(
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
-    mask = draft.causal_mask(batch, seq, 0, attention_mask, compute_dtype, hidden.device)  # [B, 1, S, S]
+    mask = causal_mask(batch, seq, 0, attention_mask, compute_dtype, hidden.device)  # [B, 1, S, S]
     positions = torch.arange(seq, device=input_ids.device)[None].expand(batch, seq)
     checkpointing = draft.gradient_checkpointing and draft.training and torch.is_grad_enabled()
     layers = draft.draft_layers()

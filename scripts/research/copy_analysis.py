@@ -40,6 +40,7 @@ import os
 import torch
 
 from eagle3_hf.hub import load_draft_for
+from eagle3_hf.modeling.masks import causal_mask
 from eagle3_hf.targets import load_target, load_tokenised_data
 from eagle3_hf.training.split import split_filter
 from eagle3_hf.training.trainer import Eagle3DataCollator
@@ -74,7 +75,7 @@ def step0_attention(draft, ids: torch.Tensor, features: torch.Tensor, attention:
     x, _ = layer.layer_input(embeds, hidden)
     q, k, _ = layer.qkv(x, draft.rotary_emb(hidden, position))
     k = repeat_kv(k, layer.self_attn.num_key_value_groups)
-    mask = draft.causal_mask(ids.shape[0], ids.shape[1], 0, attention, torch.float32, ids.device)  # [B, 1, S, S]
+    mask = causal_mask(ids.shape[0], ids.shape[1], 0, attention, torch.float32, ids.device)  # [B, 1, S, S]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.self_attn.scaling
     return torch.softmax(scores + mask, dim=-1)
 
