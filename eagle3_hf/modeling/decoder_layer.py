@@ -34,7 +34,8 @@ class DraftAttention(Protocol):
     Called once per decoder layer with that layer, its rotated query ``[B, heads, S, d]``, key and value
     ``[B, kv_heads, S, d]`` (kv heads, not repeated) and the `attention_mask` the forward was given (the object
     defines its form); returns the attention output ``[B, S, heads * d]``, before `o_proj`. It may keep the keys and
-    values (``layer.layer_idx`` says whose they are).
+    values (``layer.layer_idx`` says whose they are). Under activation checkpointing a layer runs again in the backward
+    pass with the same object, which must then compute the same output.
     """
 
     def __call__(

@@ -34,6 +34,7 @@ from eagle3_hf.modeling.atomic import apply_umask
 from eagle3_hf.modeling.checkpoints import load_draft
 from eagle3_hf.modeling.embedding import set_embedding, stored_embedding, target_embedding
 from eagle3_hf.modeling.families import get_family
+from eagle3_hf.modeling.head import Eagle3Head
 from eagle3_hf.modeling.masks import additive_mask, causal_mask
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
@@ -131,7 +132,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         # Layers 1..N-1 of a deeper draft; empty for EAGLE-3's one layer (whose state dict stays as it was).
         self.upper_layers = nn.ModuleList(Eagle3DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
         self.norm = norm(hidden, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.lm_head = Eagle3Head(hidden, config.draft_vocab_size, bias=False)
         rope_config = LlamaConfig(
             hidden_size=hidden,
             num_attention_heads=config.num_attention_heads,

@@ -16,6 +16,8 @@ import functools
 import torch
 from torch import nn
 
+from eagle3_hf.modeling.head import Eagle3Head
+
 __all__ = ["PackedLinear", "can_prepack", "prepack_linears"]
 
 
@@ -38,12 +40,13 @@ def _ops_available() -> bool:
 
 
 def can_prepack(module: nn.Module) -> bool:
-    """Whether `module` is a plain bias-free bf16 `nn.Linear` on CPU that oneDNN can prepack.
+    """Whether `module` is a plain bias-free bf16 `nn.Linear` (or the draft's `Eagle3Head`) on CPU that oneDNN can
+    prepack.
 
     Layers with a bias are left alone: for one-row inputs `nn.Linear` adds the bias in a separate rounding step, so
     a fused packed kernel would not match it bit for bit."""
     return (
-        type(module) is nn.Linear
+        type(module) in (nn.Linear, Eagle3Head)
         and module.bias is None
         and module.weight.dtype == torch.bfloat16
         and module.weight.device.type == "cpu"

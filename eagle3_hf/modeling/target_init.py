@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from eagle3_hf.modeling.checkpoints import whole_tensor
+from eagle3_hf.modeling.head import Eagle3Head
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def remap_draft_vocab(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
     old_head = draft.lm_head.weight  # [Vd_old, H]
     old_ids = draft_to_target_ids(torch.arange(old_head.shape[0], device=draft.d2t.device), draft.d2t)
     new_ids = draft_to_target_ids(torch.arange(d2t.numel()), d2t.long().cpu()).to(old_head.device)
-    head = nn.Linear(old_head.shape[1], d2t.numel(), bias=False, device=old_head.device, dtype=old_head.dtype)
+    head = Eagle3Head(old_head.shape[1], d2t.numel(), bias=False, device=old_head.device, dtype=old_head.dtype)
     with torch.no_grad():
         head.weight.zero_()
     # old_index[target id] = its row in the old head, -1 where the old vocabulary did not hold it

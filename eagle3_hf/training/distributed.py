@@ -1,9 +1,9 @@
-"""Distributed training and feature extraction: FSDP2 for the frozen target, forward routing, rank splitting.
+"""Distributed training and feature extraction: FSDP2 for the frozen target, rank splitting, the per-process memory.
 
 Under FSDP2 (`torch.distributed.fsdp.fully_shard`) a module's parameters are all-gathered by hooks that run when the
-module is *called*; under DDP gradients are reduced for work done inside the wrapped module's forward. The TTT loop
-runs as plain Python over the draft's submodules, so `routed_forward` makes a module's call run any function: the
-hooks fire around it and the gradients reduce as they should.
+module is *called*; under DDP gradients are reduced for the work of the wrapped module's forward. Training calls the
+draft's own forward once per TTT step (through DDP when it wraps the draft), which calls each decoder layer and the
+head: the hooks fire around each, with nothing patched.
 
 The frozen target (online features) is not seen by the `Trainer`'s accelerate wrapping: `shard_frozen_target` shards
 it layer by layer with FSDP2 over the same processes, for forward passes only (each rank keeps ``1/world_size`` of
@@ -14,10 +14,8 @@ turn the set-ups that are not supported into errors that name the setting to cha
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,27 +38,8 @@ __all__ = [
     "process_device",
     "refuse_deepspeed",
     "reshard",
-    "routed_forward",
     "shard_frozen_target",
 ]
-
-
-@contextlib.contextmanager
-def routed_forward(module: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
-    """Make `module(...)` run `fn(...)` while the context is open.
-
-    An instance attribute shadows the class's `forward` for the call, so the module's hooks (FSDP2's all-gather and
-    gradient reduce-scatter) and wrappers (DDP's gradient synchronisation, on the module it wraps) run around `fn`.
-    """
-    saved = module.__dict__.get("forward")
-    module.forward = fn
-    try:
-        yield
-    finally:
-        if saved is None:
-            del module.forward
-        else:
-            module.forward = saved
 
 
 def is_fsdp2_module(module: nn.Module) -> bool:

@@ -25,13 +25,14 @@ gradients against them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from eagle3_hf.training.distributed import routed_forward
+from eagle3_hf.modeling.head import Eagle3Head
 from eagle3_hf.training.losses import check_loss, row_losses, support_terms
 
 __all__ = ["fused_head_applies", "head_cross_entropy", "ttt_head_kwargs"]
@@ -134,9 +135,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 
 def fused_head_applies(head: torch.nn.Module) -> bool:
-    """Whether `head` is a plain bias-free linear layer (FSDP2's wrapped class included) that `head_cross_entropy`
-    can stand in for; an adapter-wrapped head (LoRA) keeps the separate ops."""
-    return isinstance(head, torch.nn.Linear) and head.bias is None
+    """Whether `head` is the draft's bias-free `Eagle3Head` (FSDP2's wrapped class included), whose call can run
+    `head_cross_entropy` on its weight; an adapter-wrapped head (LoRA) keeps the separate ops."""
+    return isinstance(head, Eagle3Head) and head.bias is None
 
 
 def head_cross_entropy(
@@ -189,7 +190,7 @@ def ttt_head_kwargs(
     compute_dtype: torch.dtype | None,
     loss: str = "forward_kl",
 ) -> dict[str, Callable[..., Any]]:
-    """The head argument of `ttt_loss`: the fused head and loss where it applies (a plain ``nn.Linear``), else the head
+    """The head argument of `ttt_loss`: the fused head and loss where it applies (an `Eagle3Head`), else the head
     module on the supervised rows under the training's autocast (a LoRA-wrapped head, the reference path): given to
     `ttt_loss` as its `head` for the cross entropy, or wrapped with `losses.row_losses` for another `loss`."""
     check_loss(loss)
@@ -208,11 +209,9 @@ def ttt_head_kwargs(
 
         return {"fused_head": reference}
 
-    def run(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return head_cross_entropy(rows, lm_head.weight, p, columns, compute_dtype, loss=loss)
+    run = functools.partial(head_cross_entropy, compute_dtype=compute_dtype, loss=loss)
 
     def fused_head(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        with routed_forward(lm_head, run):  # through the module's own call, so that FSDP2 gathers its weight there
-            return lm_head(rows, p, columns)
+        return lm_head(rows, run, p, columns)  # in the head's own call: FSDP2 gathers its weight around it
 
     return {"fused_head": fused_head}

@@ -13,7 +13,6 @@ target top token the draft vocabulary holds, step 0), ``loss_0..loss_{K-1}`` and
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -32,10 +31,8 @@ from eagle3_hf.training.distributed import (
     check_fsdp_plugin,
     enable_cpu_fsdp,
     fsdp_mesh,
-    is_fsdp2_module,
     refuse_deepspeed,
     reshard,
-    routed_forward,
     shard_frozen_target,
 )
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
@@ -70,8 +67,15 @@ class Eagle3TrainingArguments(Eagle3TrainingOptions, TrainingArguments):
     """
 
     remove_unused_columns: bool = field(default=False, metadata={"help": "keep loss_mask and feature columns"})
+    # DDP would look for unused weights from the last TTT step's outputs and miss the head, which runs after it.
+    ddp_find_unused_parameters: bool | None = field(default=False, metadata={"help": "must be False (DDP)"})
 
     def __post_init__(self) -> None:
+        if self.ddp_find_unused_parameters:
+            raise ValueError(
+                "ddp_find_unused_parameters must be False: the draft uses all its weights at every step, and its "
+                "head runs after the TTT steps' forwards, where DDP would not find it."
+            )
         self.check_eagle3_options()  # before TrainingArguments' own set-up, which may touch devices
         super().__post_init__()
 
@@ -149,12 +153,12 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
 
     Distributed training runs one process per device (`accelerate launch`, `torchrun`; several machines too):
 
-    * **DDP** (the default): the draft is replicated, the TTT computation runs inside DDP's forward so that
-      gradients are averaged; an online target is replicated too.
+    * **DDP** (the default): the draft is replicated, each TTT step is a call of DDP's forward (the draft's own), so
+      that gradients are averaged; an online target is replicated too.
     * **FSDP2** (``fsdp="full_shard auto_wrap"`` or ``"shard_grad_op auto_wrap"`` in the arguments, or an
       accelerate config with ``fsdp_version: 2``): accelerate shards the draft (its decoder layers, embedding and
-      head are units of their own) and the TTT computation runs inside the sharded modules' forwards, so gradients
-      are reduce-scattered; an online target is sharded layer by layer for forward passes only
+      head are units of their own) and each TTT step calls the draft, its layers and its head, so that their hooks
+      gather the weights and reduce-scatter the gradients; an online target is sharded layer by layer for forward passes only
       (`shard_frozen_target`, unless it was sharded at load time with `load_target(..., shard=True)`), so each
       process holds ``1/world_size`` of it. On CPU processes (gloo), where accelerate leaves its FSDP plugin off,
       the trainer switches it on. Checkpoints: ``fsdp_config["state_dict_type"]`` ``"FULL_STATE_DICT"`` (default;
@@ -293,10 +297,10 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
 
     # --------------------------------------------------------------------------------------------------------------
     # loss
-    def _ttt(self, draft: Eagle3DraftModel, **batch: torch.Tensor) -> TTTOutput:
-        with self.accelerator.autocast():  # accelerate's own autocast wrapper sits on the forward we bypass
+    def _ttt(self, model: nn.Module, draft: Eagle3DraftModel, **batch: torch.Tensor) -> TTTOutput:
+        with self.accelerator.autocast():  # the head's compute dtype; the draft's forward may carry accelerate's too
             states = ttt_forward(
-                draft, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length,
+                model, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length,
                 return_hidden=True,
             )  # fmt: skip
             device = states[0].device.type
@@ -326,15 +330,7 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
             if missing:
                 raise ValueError(f"feature_mode='offline' but the batch lacks {missing}; it has {sorted(inputs)}.")
             batch.update({k: inputs[k] for k in FEATURE_KEYS})
-        run = functools.partial(self._ttt, draft)
-        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP syncs gradients of its forward's work
-            with routed_forward(model.module, run):
-                out = model(**batch)
-        elif is_fsdp2_module(model):  # FSDP2 gathers the root's weights and reduces gradients in its hooks
-            with routed_forward(model, run):
-                out = model(**batch)
-        else:
-            out = run(**batch)
+        out = self._ttt(model, draft, **batch)  # each TTT step calls `model`: DDP's or FSDP2's hooks run around it
         self._accumulate(out, "train" if model.training else "eval")
         return (out.loss, out) if return_outputs else out.loss
 

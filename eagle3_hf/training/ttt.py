@@ -15,9 +15,10 @@ Attention at step ``j``: query ``(t, j)`` sees the step-0 keys at positions ``<=
 keys of steps ``1..j`` at position ``t`` only, under one joint softmax. This is exactly what inference-time drafting
 computes when it prefills the pairs up to ``t`` and then feeds its own state back ``j`` times (see
 `tests/test_ttt.py`). The causal block is an ``[S, S]`` score matrix and the other steps add ``j`` diagonal columns
-(``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask. A deeper draft runs
-all its layers at every step, each attending this way over its own earlier steps' keys/values; layer ``l > 0`` reads
-layer ``l - 1``'s output of the same step (one layer's step: `eagle3_hf.training.ttt_layer`).
+(``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask. Each step is one call of
+the draft's own forward with that attention (`eagle3_hf.training.ttt_layer.TTTAttention`): a deeper draft runs all its
+layers at every step, each attending this way over its own earlier steps' keys/values; layer ``l > 0`` reads layer
+``l - 1``'s output of the same step.
 
 Loss: per step, soft-label cross entropy against the target distribution, averaged over the step's SUPERVISED
 positions that carry loss (see below); total ``sum_j decay**j * Loss_j``. The official code divides by ``B·S``
@@ -40,11 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
 from eagle3_hf.modeling.masks import causal_mask
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.training.ttt_layer import routed_layer_step
+from eagle3_hf.training.ttt_layer import TTTAttention
 
 # (rows [M, H], p [M, k] or [M, Vd], columns [M, k] or None) -> (row_loss [M], argmax draft id [M])
 FusedHead = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
@@ -166,7 +168,7 @@ def _sparse_targets(
 
 
 def ttt_forward(
-    draft: Eagle3DraftModel,
+    draft: nn.Module,
     input_ids: torch.Tensor,
     target_hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -176,7 +178,8 @@ def ttt_forward(
     r"""Run `ttt_length` TTT steps of `draft`; return the per-step draft logits, each ``[B, S, Vd]``.
 
     Args:
-        draft: the draft (a PEFT-wrapped one is unwrapped; its LoRA layers stay active).
+        draft: the draft, a PEFT model around it (its base model is called, LoRA layers active), or DDP around
+            either: each step is one call of it, so the forward of the module DDP wraps runs (and syncs gradients).
         input_ids: ``[B, S]`` the tokens ``x`` (NOT shifted: position ``t`` of step ``j`` is fed ``x_{t+1+j}``).
         target_hidden_states: ``[B, S, 3*Ht]`` target taps at each position.
         attention_mask: ``[B, S]`` 1 on real tokens (right padding); `None` means no padding.
@@ -207,8 +210,7 @@ def ttt_forward(
     torch.Size([])
     ```
     """
-    if hasattr(draft, "get_base_model"):  # peft.PeftModel
-        draft = draft.get_base_model()
+    model, draft = _step_model(draft)
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}.")
     if input_ids.dim() != 2:
@@ -222,34 +224,36 @@ def ttt_forward(
         raise ValueError("The draft has no token embedding; load it with `draft.load_target_embedding(target)`.")
     batch, seq = input_ids.shape
     dtype = draft.fc.weight.dtype
-    hidden = draft.fuse(target_hidden_states.to(dtype))  # g_0 [B, S, H]
-    # Under autocast the layer computes in bf16/fp16: build the mask and RoPE tables in that dtype.
-    device_type = hidden.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    compute_dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
-    mask = causal_mask(batch, seq, 0, attention_mask, compute_dtype, hidden.device)  # [B, 1, S, S]
+    device = target_hidden_states.device  # under autocast the layers compute in bf16/fp16: the mask is built in it
+    autocast = torch.is_autocast_enabled(device.type)
+    compute_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
+    mask = causal_mask(batch, seq, 0, attention_mask, compute_dtype, device)  # [B, 1, S, S]
     positions = torch.arange(seq, device=input_ids.device)[None].expand(batch, seq)
-    checkpointing = draft.gradient_checkpointing and draft.training and torch.is_grad_enabled()
-    layers = draft.draft_layers()
-    previous: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer: k, v of each earlier step
-    logits = []
+    attention = TTTAttention([[] for _ in draft.draft_layers()])  # per layer: k, v of each earlier step
+    features, hidden = target_hidden_states.to(dtype), None  # step 0 starts from g_0 = fc(h_t), later ones from g_j
+    outputs = []
     for step in range(ttt_length):
         # Teacher forcing: step j at position t reads x_{t+1+j}; positions past the end read id 0 (never supervised).
-        tokens = shift_left(input_ids, 1 + step)
-        embeds = draft.embed_tokens(tokens).to(dtype)
-        cos, sin = draft.rotary_emb(hidden, positions + step)  # RoPE position t + j
-        out = hidden
-        for layer, earlier in zip(layers, previous):  # each layer its own FSDP call and checkpointed segment
-            args = (layer, embeds, out, cos, sin, mask, *earlier)
-            if checkpointing:
-                out, k, v = draft._gradient_checkpointing_func(routed_layer_step, *args)
-            else:
-                out, k, v = routed_layer_step(*args)
-            earlier += [k, v]
-        normed = draft.norm(out)
-        logits.append(normed if return_hidden else draft.lm_head(normed))
-        hidden = normed if draft.config.norm_output else out
-    return logits
+        out = model(
+            shift_left(input_ids, 1 + step),
+            target_hidden_states=features if step == 0 else None,
+            hidden_states=hidden,
+            position_ids=positions + step,  # RoPE position t + j
+            attention_mask=mask,
+            attention=attention,
+            skip_logits=return_hidden,
+        )
+        outputs.append(out.normed_hidden_state if return_hidden else out.logits)
+        hidden = out.last_hidden_state
+        attention = attention.next_step()
+    return outputs
+
+
+def _step_model(model: nn.Module) -> tuple[nn.Module, Eagle3DraftModel]:
+    """(what each TTT step calls, the draft): DDP itself (its forward syncs gradients), else the draft (PEFT's base)."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    draft = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return (model if inner is not model else draft), draft
 
 
 def ttt_loss(

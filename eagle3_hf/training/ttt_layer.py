@@ -1,21 +1,18 @@
-"""One draft layer's training-time-test step: its joint attention over the earlier TTT steps' keys and values.
+"""The training-time-test step's attention: each draft layer's joint attention over the earlier TTT steps' keys.
 
 `eagle3_hf.training.ttt` explains the structure: at TTT step ``j`` query ``(t, j)`` sees the step-0 keys at positions
 ``<= t`` (causal, and padding) plus the keys of steps ``1..j`` at position ``t`` only, under one joint softmax. Each
-decoder layer of the draft keeps its own earlier keys/values; `ttt_forward` calls `routed_layer_step` once per layer
-and step, through the layer's own call so that FSDP2 gathers that layer's weights around it.
+TTT step is one call of the draft's own forward with a `TTTAttention` as its `attention`; every decoder layer then
+attends this way over its own earlier steps' keys/values, which the object keeps.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch import nn
 
-from eagle3_hf.training.distributed import routed_forward
+from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
 
-__all__ = ["joint_attention", "layer_step", "repeat_kv", "routed_layer_step"]
+__all__ = ["TTTAttention", "joint_attention", "repeat_kv"]
 
 
 def joint_attention(
@@ -57,42 +54,52 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
 
 
-def routed_layer_step(layer: nn.Module, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`layer_step` of one draft layer, run through the layer's call (not its methods): a layer sharded by FSDP2
-    gathers its weights and reduces their gradients in the hooks of that call."""
-    with routed_forward(layer, functools.partial(layer_step, layer)):
-        return layer(*tensors)
+class TTTAttention:
+    """One TTT step's attention (a `DraftAttention` for the draft's forward): each layer's query attends jointly over
+    that layer's step-0 keys (causal, under the additive mask ``[B, 1, S, S]`` the forward is given) and its own
+    position's keys of steps ``1..j`` (`joint_attention`).
 
+    Args:
+        earlier: per draft layer, the keys and values of the earlier steps, ``[k_0, v_0, k_1, v_1, ...]``,
+            ``[B, kv, S, d]`` each (kv heads, not repeated); empty lists at step 0.
 
-def layer_step(
-    layer: nn.Module,
-    embeds: torch.Tensor,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: torch.Tensor,
-    *previous: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One TTT step of one draft layer (over ``[embeds | hidden]`` for layer 0, over ``hidden``, the layer below's
-    output, for the others) attending to that layer's keys/values of the earlier steps.
-
-    `previous` is ``(k_0, v_0, k_1, v_1, ...)`` of the earlier steps, ``[B, kv, S, d]`` each (kv heads, not repeated).
-    Returns (layer output ``[B, S, H]``, this step's k and v). A plain-tensor signature so that activation
-    checkpointing can recompute it.
+    The object only reads `earlier`, and keeps this step's keys and values apart (`next_step` adds them for the
+    next step): a checkpointed layer that is run again in the backward pass computes the same step again.
     """
-    attn = layer.self_attn
-    x, residual = layer.layer_input(embeds, hidden)  # [B, S, 2H] (layer 0) or [B, S, H], and [B, S, H]
-    q, k, v = layer.qkv(x, (cos, sin))  # [B, heads, S, d], [B, kv, S, d] x2
-    keys = [*previous[0::2], k]
-    values = [*previous[1::2], v]
-    groups = attn.num_key_value_groups
-    out = joint_attention(
-        q,
-        [repeat_kv(t, groups) for t in keys],
-        [repeat_kv(t, groups) for t in values],
-        mask,
-        attn.scaling,
-        getattr(attn, "attn_logit_softcapping", None),
-    )
-    out = out.transpose(1, 2).reshape(*embeds.shape[:-1], -1)  # [B, S, heads*d]
-    return layer.finish(residual, attn.o_proj(out)), k, v
+
+    def __init__(self, earlier: list[list[torch.Tensor]]) -> None:
+        self.earlier = earlier
+        self.current: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(earlier)
+        self.needs_grad = torch.is_grad_enabled()
+
+    def __call__(
+        self, layer: Eagle3DecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        if self.needs_grad and not torch.is_grad_enabled():
+            # Reentrant checkpointing runs the layer without a graph: the keys kept for the later steps would pass
+            # them no gradient.
+            raise ValueError(
+                "The TTT step ran a draft layer without gradients inside a step that needs them: reentrant activation "
+                "checkpointing is not supported; enable it with {'use_reentrant': False} (the default)."
+            )
+        attn = layer.self_attn
+        previous = self.earlier[layer.layer_idx]
+        keys = [*previous[0::2], k]
+        values = [*previous[1::2], v]
+        groups = attn.num_key_value_groups
+        out = joint_attention(
+            q,
+            [repeat_kv(t, groups) for t in keys],
+            [repeat_kv(t, groups) for t in values],
+            mask,
+            attn.scaling,
+            getattr(attn, "attn_logit_softcapping", None),
+        )
+        self.current[layer.layer_idx] = (k, v)
+        return out.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)  # [B, S, heads*d]
+
+    def next_step(self) -> TTTAttention:
+        """The next step's attention: the earlier steps' keys/values and this step's, per layer."""
+        if any(kv is None for kv in self.current):
+            raise ValueError("The TTT step has not run every draft layer; run the draft's forward with it first.")
+        return TTTAttention([[*earlier, *kv] for earlier, kv in zip(self.earlier, self.current)])
