@@ -11,7 +11,8 @@ checkpoints):
     logits = lm_head(norm(o))                    over the draft vocabulary [B, S, Vd]
     feed back o (or norm(o) if norm_output)
 
-The attention, MLP and norms are transformers' own classes for the target family.
+The attention, MLP and norms are transformers' own classes for the target family. Decoding and training run this same
+forward, each giving it the attention it needs (`DraftAttention`: a KV buffer over tree nodes; the TTT step's).
 """
 
 from __future__ import annotations
