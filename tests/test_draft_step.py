@@ -187,14 +187,19 @@ def test_the_model_forward_with_the_decoding_attention_is_the_former_decoding_fo
         results = []
         for run in ("model", "former"):
             kv = DraftKV.for_draft(draft, capacity=4, rows=2)
-            steps = [(ids, hidden, positions, 0, _additive(allowed)), (level, None, positions[:, -1:].expand(2, 3) + 1,
-                     6, _additive(tree))]  # fmt: skip
+            steps = [
+                (ids, hidden, positions, 0, _additive(allowed)),
+                (level, None, positions[:, -1:].expand(2, 3) + 1, 6, _additive(tree)),
+            ]
             outs = []
             for tokens, state, pos, slot, mask in steps:
                 state = outs[-1][1][:, -1:].expand(2, 3, -1) if state is None else state
                 if run == "model":
-                    out = draft(tokens, hidden_states=state, position_ids=pos, attention_mask=mask,
-                                attention=DraftKVAttention(kv, slot), skip_logits=True)  # fmt: skip
+                    attention = DraftKVAttention(kv, slot)
+                    out = draft(
+                        tokens, hidden_states=state, position_ids=pos, attention_mask=mask, attention=attention,
+                        skip_logits=True,
+                    )
                     assert out.logits is None
                     outs.append((out.normed_hidden_state, out.last_hidden_state))
                 else:

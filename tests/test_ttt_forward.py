@@ -26,8 +26,9 @@ tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
 V = 96
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=V)  # fmt: skip
+SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=V
+)
 
 
 def _former_ttt_forward(draft, input_ids, features, attention_mask, ttt_length):
@@ -51,9 +52,10 @@ def _former_ttt_forward(draft, input_ids, features, attention_mask, ttt_length):
             x, residual = layer.layer_input(embeds, out)
             q, k, v = layer.qkv(x, (cos, sin))
             groups = attn.num_key_value_groups
-            attended = joint_attention(q, [repeat_kv(t, groups) for t in [*earlier[0::2], k]],
-                                       [repeat_kv(t, groups) for t in [*earlier[1::2], v]], mask, attn.scaling,
-                                       getattr(attn, "attn_logit_softcapping", None))  # fmt: skip
+            keys = [repeat_kv(t, groups) for t in [*earlier[0::2], k]]
+            values = [repeat_kv(t, groups) for t in [*earlier[1::2], v]]
+            softcap = getattr(attn, "attn_logit_softcapping", None)
+            attended = joint_attention(q, keys, values, mask, attn.scaling, softcap)
             out = layer.finish(residual, attn.o_proj(attended.transpose(1, 2).reshape(*embeds.shape[:-1], -1)))
             earlier += [k, v]
         normed = draft.norm(out)
@@ -79,26 +81,31 @@ def _pair(family, **overrides):
 def _loss_and_grads(draft, batch, forward, autocast):
     draft.zero_grad()
     ids, features, attention_mask, loss_mask, top_logits, top_ids = batch
+    dtype = None if autocast is contextlib.nullcontext else torch.bfloat16
     with autocast():
         if forward == "model":
             states = ttt_forward(draft, ids, features, attention_mask, ttt_length=3, return_hidden=True)
-            heads = ttt_head_kwargs(draft.lm_head, autocast, torch.bfloat16 if autocast is not contextlib.nullcontext
-                                    else None)  # fmt: skip
+            heads = ttt_head_kwargs(draft.lm_head, autocast, dtype)
         else:  # what the former trainer ran: head_cross_entropy on the head's weight
+
+            def former_head(rows, p, columns):
+                return head_cross_entropy(rows, draft.lm_head.weight, p, columns, dtype)
+
             states = _former_ttt_forward(draft, ids, features, attention_mask, 3)
-            dtype = None if autocast is contextlib.nullcontext else torch.bfloat16
-            heads = {"fused_head": lambda rows, p, columns: head_cross_entropy(rows, draft.lm_head.weight, p, columns,
-                                                                               dtype)}  # fmt: skip
+            heads = {"fused_head": former_head}
     out = ttt_loss(states, top_logits, loss_mask, draft.t2d, target_ids=top_ids, **heads)
     out.loss.backward()
     return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize(
-    "family, overrides", [("llama", {}), ("llama", dict(num_hidden_layers=2, norm_output=True)),
-                          ("qwen3", dict(num_hidden_layers=3, norm_before_residual=True))],
-    ids=["llama", "llama-2-layers-norm-output", "qwen3-3-layers"],
-)  # fmt: skip
+CASES = {
+    "llama": ("llama", {}),
+    "llama-2-layers-norm-output": ("llama", dict(num_hidden_layers=2, norm_output=True)),
+    "qwen3-3-layers": ("qwen3", dict(num_hidden_layers=3, norm_before_residual=True)),
+}
+
+
+@pytest.mark.parametrize("family, overrides", CASES.values(), ids=CASES.keys())
 def test_ttt_losses_and_gradients_equal_the_former_training_forward(family, overrides):
     target, draft = _pair(family, **overrides)
     ids = torch.randint(1, V, (2, 10))
@@ -155,9 +162,15 @@ def test_a_training_step_calls_the_draft_each_layer_and_the_head_unpatched(tmp_p
 
         module.register_forward_hook(hook)
     args = Eagle3TrainingArguments(
-        str(tmp_path), max_steps=1, per_device_train_batch_size=4, ttt_length=3, report_to="none",
-        save_strategy="no", use_cpu=True, disable_tqdm=True,
-    )  # fmt: skip
+        str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        ttt_length=3,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     Eagle3Trainer(draft, args, target=target, train_dataset=dataset).train()
     # one call of the draft per TTT step, which calls each layer once; the head once, for every step's rows and loss
     assert calls == {"draft": 3, "layer 0": 3, "layer 1": 3, "head": 1}
