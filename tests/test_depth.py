@@ -118,7 +118,8 @@ def test_model_card_states_the_depth(target):
 def test_bf16_prepacking_covers_every_layer(target):
     from torch import nn
 
-    from eagle3_hf.generation.draft_step import DraftKV, causal_block, draft_forward
+    from eagle3_hf.generation.draft_step import DraftKV, draft_forward
+    from test_draft_step import causal_block
     from eagle3_hf.modeling.packed_linear import PackedLinear, can_prepack, prepack_linears
 
     draft = trained_draft(target, num_hidden_layers=2).to(torch.bfloat16)

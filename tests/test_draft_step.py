@@ -15,8 +15,9 @@ from transformers import (
 )
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.generation.draft_step import DraftKV, DraftKVAttention, _attend, causal_block, draft_forward
+from eagle3_hf.generation.draft_step import DraftKV, DraftKVAttention, _attend, draft_forward
 from eagle3_hf.generation.drafting import top_children
+from eagle3_hf.modeling.masks import additive_mask
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=200)  # fmt: skip
@@ -111,10 +112,9 @@ def test_draft_kv_layers_share_slots_and_grow_together():
         DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), num_layers=0)
 
 
-def test_causal_block_sees_the_prefix_and_earlier_rows():
-    mask = causal_block(2, 3, torch.float32, torch.device("cpu"))
-    assert mask.shape == (3, 5)
-    assert ((mask == 0) == torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)).all()
+def causal_block(prefix, seq, dtype, device):
+    """Additive mask `[seq, prefix + seq]`: every query sees the prefix and the new positions up to its own."""
+    return additive_mask(torch.ones(seq, prefix + seq, dtype=torch.bool, device=device).tril(diagonal=prefix), dtype)
 
 
 def test_top_children_are_the_best_log_probabilities():

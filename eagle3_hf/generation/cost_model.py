@@ -125,12 +125,9 @@ class CycleCostModel:
     def worth_drafting(self, top_probabilities: torch.Tensor | float) -> bool:
         """Whether verifying the `m` best depth-1 candidates of every row (`top_probabilities` `[k]` or `[A, k]`, most
         likely first) beats a plain step, for some m. Those candidates come from the draft output already computed,
-        so they cost only the wider verify; deeper levels must pay for their draft steps themselves (`worth_deeper`)."""
-        probs = torch.as_tensor(top_probabilities, dtype=torch.float64).cpu().reshape(self.rows, -1)
-        gains = self.calibration * torch.cumsum(probs, dim=1).sum(dim=0)  # [k]: verifying m = 1..k per row
-        a, b = self.verify.coefficients()
-        tokens = self.rows * torch.arange(2, probs.shape[1] + 2, dtype=torch.float64)  # rows x (root + m)
-        return bool(((self.rows + gains) / (a + b * tokens)).max() > self.plain_rate())
+        so they cost only the wider verify; deeper levels must pay for their draft steps themselves (`worth_deeper`).
+        That is `choose_size` with no draft time spent choosing more than the roots (whose rate is a plain step's)."""
+        return self.choose_size(torch.as_tensor(top_probabilities), 0.0)[0] > 0
 
     def worth_deeper(self, best_path_probability: float, nodes_so_far: int) -> bool:
         """Whether one more draft level can pay: its best node (`best_path_probability`, summed over the rows' best

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
-__all__ = ["DraftKV", "DraftKVAttention", "causal_block", "draft_forward"]
+__all__ = ["DraftKV", "DraftKVAttention", "draft_forward"]
 
 
 class DraftKV:
@@ -86,12 +86,6 @@ class DraftKV:
             buffer = getattr(self, name)
             buffer[:, :, :, :n] = buffer.gather(3, gather)  # gather copies first: source and target may overlap
         self.length = n
-
-
-def causal_block(prefix: int, seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask `[seq, prefix + seq]`: every query sees the prefix and the new positions up to its own."""
-    allowed = torch.ones(seq, prefix + seq, dtype=torch.bool, device=device).tril(diagonal=prefix)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _attend(

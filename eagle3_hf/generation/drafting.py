@@ -24,7 +24,8 @@ import torch
 
 from eagle3_hf.generation.draft_step import DraftKV, draft_forward
 from eagle3_hf.generation.tree import DraftTree
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
+from eagle3_hf.modeling.masks import additive_mask
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = ["DraftState", "TreeBudget", "build_greedy_trees", "catch_up", "top_children"]
 
@@ -152,9 +153,9 @@ def build_greedy_trees(
     flat_count, fed = k0, 0
     for level in range(1, budget.depth):
         # the batch cost model weighs a level by every row's best frontier node together (one read per level)
-        if budget.grow is not None:
-            if not budget.grow(frontier_scores.max(dim=1).values.exp().sum().item(), flat_count):
-                break
+        best = frontier_scores.max(dim=1).values.exp().sum() if budget.grow is not None else None
+        if best is not None and not budget.grow(best.item(), flat_count):
+            break
         kf = frontier.shape[1]
         eye = torch.eye(kf, dtype=torch.bool, device=device).expand(rows, kf, kf)
         ancestors = torch.cat([ancestors, eye], dim=2)

@@ -17,8 +17,9 @@ import torch
 
 from eagle3_hf.generation.draft_step import draft_forward
 from eagle3_hf.generation.drafting import DraftState, TreeBudget
-from eagle3_hf.generation.tree import DraftTree, sample_children
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, additive_mask
+from eagle3_hf.generation.tree import DraftTree, HostTree, read_on_host, sample_children
+from eagle3_hf.modeling.masks import additive_mask
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = ["build_sampled_trees"]
 
@@ -38,11 +39,12 @@ class _RowTree:
 
     def add_children(self, draft: Eagle3DraftModel, node: int, q_draft: torch.Tensor, count: int) -> list[int]:
         ids = sample_children(torch.log(q_draft), count)  # draft ids, draw order
+        tokens, log_q = read_on_host([draft.draft_to_target_ids(ids), torch.log(q_draft[ids])])  # one read
         new = []
-        for d in ids.tolist():
+        for token, value in zip(tokens, log_q):
             self.parents.append(node)
-            self.scores.append(self.scores[node] + float(torch.log(q_draft[d])))
-            self.tokens.append(int(draft.draft_to_target_ids(torch.tensor([d], device=q_draft.device))))
+            self.scores.append(self.scores[node] + value)
+            self.tokens.append(int(token))
             new.append(len(self.parents) - 1)
         self.remaining -= len(new)
         return new
@@ -133,7 +135,4 @@ def _tree(row: _RowTree, vocab: int, device: torch.device) -> DraftTree:
     draft_probs = torch.zeros(len(row.parents), vocab, device=device)
     for node, q in row.q_rows.items():
         draft_probs[node] = q
-    return DraftTree.from_parents(
-        tokens=torch.tensor(row.tokens, device=device), parents=torch.tensor(row.parents, device=device),
-        scores=torch.tensor(row.scores, device=device), draft_probs=draft_probs,
-    )
+    return DraftTree.from_lists(HostTree(row.tokens, row.parents, row.scores), device, draft_probs)
