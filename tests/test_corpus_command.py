@@ -105,6 +105,28 @@ def test_the_mt_bench_questions_are_left_out_by_default(regen, tmp_path, capsys)
     assert index.num_documents == 5
 
 
+def test_the_code_math_prompts_can_be_left_out(regen, tmp_path, capsys):
+    """The bench's code/math prompts (records of {"prompt": ...}) are evaluation prompts too: a corpus built with
+    --exclude-prompts naming that file holds none of their answers (with the MT-bench questions as well)."""
+    from pathlib import Path
+
+    folder, out, questions = regen
+    code_math = Path(__file__).resolve().parent.parent / "scripts" / "research" / "prompts" / "code_math.jsonl"
+    with open(code_math, encoding="utf-8") as f:
+        prompt = json.loads(f.readline())["prompt"]
+    (out / "shard_00001.jsonl").write_text(json.dumps(sharegpt(9, f"  {prompt.upper()} ", "a code answer.")) + "\n")
+    target = tmp_path / "corpus.safetensors"
+    code, printed, err = run(capsys, "corpus", "--target", folder, "--data", out, "--output", target,
+                             "--exclude-prompts", code_math, questions)  # fmt: skip
+    assert code == 0, err
+    index = CorpusIndex.load(target)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = [tokenizer.decode(doc.tolist()) for doc in index.documents()]
+    assert index.metadata["exclude_prompts"] == ["code_math.jsonl", "question.jsonl"]
+    assert index.metadata["conversations_excluded"] == 2 and "left out 2 of 5 conversations" in printed
+    assert not any("code answer" in t or "one plus three" in t for t in texts) and len(texts) == 4
+
+
 _NO_TORCH = ("import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1:])\n"
              "print('torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)")  # fmt: skip
 

@@ -55,7 +55,8 @@ def dedupe_prompts(conversations: Iterable[dict]) -> tuple[list[dict], int]:
 
 
 def _question_file_prompts(path: str) -> list[str] | None:
-    """The turns of an MT-bench style question file (JSON Lines of ``{"turns": [...]}``), or None if it is not one."""
+    """The prompts of a question file as `eagle3-hf bench` reads one (JSON Lines of MT-bench's ``{"turns": [...]}``
+    or of ``{"prompt": "..."}``, such as scripts/research/prompts/code_math.jsonl), or None if it is not one."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -65,9 +66,12 @@ def _question_file_prompts(path: str) -> list[str] | None:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 return None
-            if not isinstance(record, dict) or not isinstance(record.get("turns"), list):
+            if isinstance(record, dict) and isinstance(record.get("turns"), list):
+                prompts += [turn for turn in record["turns"] if isinstance(turn, str)]
+            elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                prompts.append(record["prompt"])
+            else:
                 return None
-            prompts += [turn for turn in record["turns"] if isinstance(turn, str)]
     return prompts
 
 
