@@ -132,7 +132,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     cut, cut_sources, _ = graft(draft, trie, cond, total_tokens=4)
     kept = cut.tokens.tolist()
     assert len(kept) == 4 and kept[:2] == [9, 1] and cut_sources[1] == BOTH
-    assert source_counts(sources, [0, 1, 4], 2) == (0, 1, 1)
+    assert source_counts(sources, [0, 1, 4], 2) == (0, 1, 0, 1)
 
 
 def test_lookup_stats_learn_the_hit_rate():

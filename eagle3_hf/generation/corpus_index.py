@@ -37,12 +37,11 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_hf.generation.context_index import MATCH_CAP, LookupTrie
-from eagle3_hf.modeling.checkpoint_files import open_safetensors
+from eagle3_hf.modeling.checkpoint_files import CORPUS_FILE, open_safetensors  # CORPUS_FILE: its name beside a draft
 
 __all__ = ["CORPUS_FILE", "SEPARATOR", "CorpusIndex", "CorpusOptions", "sort_backward"]
 
 SEPARATOR = -1  # between answers: never equal to a context's token
-CORPUS_FILE = "corpus.safetensors"  # its name beside a draft
 FORMAT = "eagle3_hf.corpus/1"
 _SCAN = 256  # a range this small is read at once (one numpy gather) rather than bisected token by token
 

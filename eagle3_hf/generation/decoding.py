@@ -20,7 +20,7 @@ accepted entries, and the accepted tokens' tapped features -- taken from that sa
 A context lookup (hybrid.py) adds the continuations of the current suffix's earlier occurrences to the same tree:
 `context_lookup=True` with a draft (the hybrid tree; the default), or `assistant_model=ContextLookup()`
 without one (model-free, for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its
-generate() the same way).
+generate() the same way). A corpus of the target's earlier answers (corpus_source.py) is one more lookup source.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from eagle3_hf.generation.corpus_source import open_corpus
 from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget
 from eagle3_hf.generation.emission import score_steps, sequences
 from eagle3_hf.generation.engine import CycleRecord, DecodeRun, decode
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.hybrid import LookupOptions
-from eagle3_hf.generation.proposers import DraftProposer, HybridProposer, LookupProposer
+from eagle3_hf.generation.hybrid import LookupOptions, source_totals
+from eagle3_hf.generation.proposers import build_proposer
 from eagle3_hf.generation.target_cache import editable_cache
 from eagle3_hf.generation.verify_choice import check_exact_verify, choose_verification
 from eagle3_hf.modeling._compat import generate_output_cache_field
@@ -71,9 +72,9 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
         verify_time: seconds spent in target forwards (prefill excluded) and acceptance.
         prefill_time: seconds of the target's prompt forward.
         tree_sizes: nodes verified per cycle, root included (1 = plain step).
-        accept_sources: per cycle, `(draft, lookup, both)`: how many of its accepted tree tokens (the bonus token
-            excluded) the draft proposed, the context lookup proposed, or both did.
-        accepted_from_draft, accepted_from_lookup, accepted_from_both: their totals over the call.
+        accept_sources: per cycle, `(draft, context, corpus, several)`: how many of its accepted tree tokens (the
+            bonus excluded) the draft alone proposed, the context lookup alone, the corpus alone, or several of them.
+        accepted_from_draft, accepted_from_lookup, accepted_from_corpus, accepted_from_both: their totals.
         verification: "row-exact" or "one-call", the verification that ran; verification_reason: why (verify_choice.py).
 
     A batch of B > 1 prompts gives `accept_lengths`, `tree_sizes` and `accept_sources` per row (a list each), the
@@ -89,6 +90,7 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
     accept_sources: list[tuple[int, int, int]] | None = None
     accepted_from_draft: int | None = None
     accepted_from_lookup: int | None = None
+    accepted_from_corpus: int | None = None
     accepted_from_both: int | None = None
     verification: str | None = None
     verification_reason: str | None = None
@@ -105,7 +107,8 @@ class ContextLookup:
 
     The fields are the defaults of the per-call options of the same names (a call's keyword wins): `tree_depth`
     (tokens per continuation), `tree_total_tokens` (tree size, root included), `lookup_branches` (earlier
-    occurrences continued per cycle) and `lookup_max_ngram`. Exact like EAGLE-3: greedy output is the target's own
+    occurrences continued per cycle) and `lookup_max_ngram`; `corpus`: a `CorpusIndex` or the path of one (`eagle3-hf
+    corpus`), the target's earlier answers as a second source. Exact like EAGLE-3: greedy output is the target's own
     greedy output, sampling follows its distribution.
     """
 
@@ -113,6 +116,7 @@ class ContextLookup:
     tree_total_tokens: int = 16
     lookup_branches: int = 4
     lookup_max_ngram: int = 4
+    corpus: Any = None
 
     def bind(self, target: PreTrainedModel) -> ContextLookup:
         """Route `target.generate` so that `assistant_model=self` (or a bound draft) selects tree decoding."""
@@ -241,6 +245,8 @@ def eagle3_decoding(
     lookup_depth: int | None = None,
     lookup_branches: int | None = None,
     lookup_confidence: float | None = None,
+    corpus: Any = None,
+    corpus_growth: int | None = None,
     **model_kwargs: Any,
 ) -> torch.LongTensor | Eagle3GenerateOutput:
     """`custom_generate` callable running EAGLE-3 tree decoding (see the module docstring), for one prompt or a
@@ -257,7 +263,9 @@ def eagle3_decoding(
     suffix's earlier occurrences into the draft's tree each cycle (always on with a `ContextLookup` assistant, which
     has no draft); `lookup_depth` tokens per continuation (default: the tree depth), `lookup_branches` continuations
     (default 4), and the draft's forward is skipped in a cycle where every row's best next lookup token has an
-    estimated acceptance of at least `lookup_confidence` (default 0.8; 1.0 or more: never).
+    estimated acceptance of at least `lookup_confidence` (default 0.8; 1.0 or more: never). `corpus` (corpus_source.py):
+    a `CorpusIndex` or its file, False for none; default: the assistant's own (`ContextLookup.corpus`, or the
+    corpus.safetensors beside a draft); `corpus_growth=N` also indexes this process's earlier outputs (N tokens).
 
     `eagle3_observer`: a callable handed an `engine.CycleRecord` after every cycle (research scripts); nothing is
     timed for it that the cost model does not measure anyway.
@@ -307,23 +315,21 @@ def eagle3_decoding(
         )
     mask = left_padded_mask(input_ids, model_kwargs.get("attention_mask"))
     cache = editable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-    options = None
-    if context_lookup is None or context_lookup:
-        options = LookupOptions(
-            depth=budget.depth if lookup_depth is None else lookup_depth,
-            branches=LookupOptions.branches if lookup_branches is None else lookup_branches,
-            max_ngram=defaults["max_ngram"],
-            confidence=LookupOptions.confidence if lookup_confidence is None else lookup_confidence,
-        )
-    if draft is None:
-        proposer = LookupProposer(options)
-    else:
-        proposer = DraftProposer(draft) if options is None else HybridProposer(draft, options)
+    options = LookupOptions(
+        depth=budget.depth if lookup_depth is None else lookup_depth,
+        branches=LookupOptions.branches if lookup_branches is None else lookup_branches,
+        max_ngram=defaults["max_ngram"],
+        confidence=LookupOptions.confidence if lookup_confidence is None else lookup_confidence,
+    )
+    source = open_corpus(getattr(eagle3_draft, "corpus", None) if corpus is None else corpus,
+                         model.config.get_text_config().vocab_size, options.depth, corpus_growth)  # fmt: skip
+    proposer = build_proposer(draft, options, context_lookup is None or bool(context_lookup), source)
     run = _new_run(model, draft, proposer, input_ids, mask, logits_processor, stopping_criteria, generation_config,
                    budget, cache, adaptive_tree, eagle3_streamer, eagle3_observer)  # fmt: skip
     choice = choose_verification(model, exact_verify, rows=rows)
     with exact_verification(model, enabled=choice.exact) as run.exact:
         decode(run, input_ids, mask)
+    proposer.finish(run)
     output = sequences(run)
     scores, logits = score_steps(run) if return_dict else (None, None)
     if rows == 1:  # the cache holds every output token but the last, as plain decoding's
@@ -342,9 +348,7 @@ def eagle3_decoding(
         prefill_time=run.prefill_time,
         tree_sizes=per_row(run.tree_sizes),
         accept_sources=per_row(run.accept_sources),
-        accepted_from_draft=sum(c[0] for c in sources),
-        accepted_from_lookup=sum(c[1] for c in sources),
-        accepted_from_both=sum(c[2] for c in sources),
+        **source_totals(sources),
         verification=choice.mode,
         verification_reason=choice.reason,
         # a batch's finished rows leave the cache, which then no longer matches the output's rows

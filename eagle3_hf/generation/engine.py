@@ -99,7 +99,7 @@ class DecodeRun:
     raw_logits: list[list[torch.Tensor]] = field(default_factory=list)  # output_logits: likewise
     accept_lengths: list[list[int]] = field(default_factory=list)  # per row, per cycle: tokens it added
     tree_sizes: list[list[int]] = field(default_factory=list)  # per row, per cycle: nodes verified (root included)
-    accept_sources: list[list[tuple[int, int, int]]] = field(default_factory=list)  # per row, per cycle
+    accept_sources: list[list[tuple[int, int, int, int]]] = field(default_factory=list)  # per row, per cycle
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -212,8 +212,9 @@ def prune_tree(row: RowTree, n: int) -> RowTree:
     nodes = row.tree.num_nodes
     if n >= nodes - 1:
         return row
-    pruned = prune_nodes(row.tree, row.sources or [0] + [DRAFT] * (nodes - 1), row.match or [0] * nodes, n)
-    return RowTree(*pruned) if row.sources is not None else RowTree(pruned[0])
+    if row.sources is not None:
+        return row.prune(n)
+    return RowTree(prune_nodes(row.tree, [0] + [DRAFT] * (nodes - 1), [0] * nodes, n)[0])
 
 
 def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -306,7 +307,7 @@ def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult]
         run.tree_sizes[row].append(nodes)
         run.accept_lengths[row].append(count)
         accepted = len(result.path) - 1
-        counts = source_counts(sources, result.path, min(accepted, count)) if nodes > 1 else (0, 0, 0)
+        counts = source_counts(sources, result.path, min(accepted, count)) if nodes > 1 else (0, 0, 0, 0)
         run.accept_sources[row].append(counts)
         from_draft += sum(1 for node in result.path[1:] if sources[node] & DRAFT)
     if width > 1:

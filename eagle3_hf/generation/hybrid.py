@@ -1,4 +1,10 @@
-"""One tree from two sources: the draft's tree and the context lookup's continuations (context_index.py).
+"""One tree from several sources: the draft's tree, the context lookup's continuations (context_index.py) and the
+corpus's (corpus_index.py: the target's earlier answers).
+
+The lookup sources are merged first (`merge_candidates`, context first): a corpus node equal to a context node (same
+token under the same parent) becomes one node of both sources, estimated at the larger of the two estimates; every
+node keeps its sources (bit flags) and its effective match length per source, so that acceptance is counted per
+source (`source_counts`) and each source's hit rates are learnt from its own nodes (`LookupStats`, one per source).
 
 Each lookup node gets an estimated acceptance from hit rates measured during the call (`LookupStats`): a lookup node
 whose parent was accepted is a trial, a hit when it is accepted too, counted by its effective match length (the
@@ -30,22 +36,32 @@ from eagle3_hf.generation.context_index import ContextIndex, LookupTrie
 from eagle3_hf.generation.tree import DraftTree, HostTree, cut_host, subtree
 
 __all__ = [
-    "BOTH", "DRAFT", "LOOKUP", "LookupOptions", "LookupState", "LookupStats", "SampledGraft", "best_lookup_nodes",
-    "graft", "graft_sampled", "lookup_conditionals", "lookup_only_tree", "prune_nodes", "source_counts",
+    "BOTH", "CORPUS", "CORPUS_PRIOR_RATES", "DRAFT", "LOOKUP", "SOURCE_NAMES", "Candidates", "LookupOptions",
+    "LookupState", "LookupStats", "SampledGraft", "best_lookup_nodes", "candidates_tree", "graft", "graft_candidates",
+    "graft_sampled", "lookup_conditionals", "lookup_only_tree", "merge_candidates", "observe_nodes", "prune_nodes",
+    "source_counts", "source_totals",
 ]  # fmt: skip
 
-DRAFT, LOOKUP, BOTH = 1, 2, 3  # node sources, as bit flags: BOTH == DRAFT | LOOKUP
+# node sources, as bit flags: BOTH == DRAFT | LOOKUP (the context lookup); a node may hold several
+DRAFT, LOOKUP, BOTH, CORPUS = 1, 2, 3, 4
+SOURCE_NAMES = ("draft", "context", "corpus", "several")  # what `source_counts` counts, in its order
 
 # Prior hit rate of a lookup node by effective match length 1, 2, ..., 8+ (before the call has measured any): the
 # next token after an earlier occurrence of the last token is right about a quarter of the time in chat answers,
 # after a repeated bigram 0.45-0.8 (examples/copy_analysis.py measured 0.78-0.83 on MT-bench with SmolLM2).
 PRIOR_RATES = (0.25, 0.45, 0.55, 0.62, 0.68, 0.72, 0.75, 0.78)
+# The corpus's first-token hit rates by match length, measured on SmolLM2's answers to MT-bench (docs/corpus.md:
+# 0.25 on 2 tokens, 0.33 on 3, 0.38 on 4, 0.46 on 5, 0.48 on 6 and 7, 0.75 on 8 or more), lower than the context's:
+# an answer repeats itself more than other answers repeat it. A 1-token match is never used (CorpusOptions.min_len).
+CORPUS_PRIOR_RATES = (0.2, 0.25, 0.33, 0.38, 0.46, 0.48, 0.48, 0.6)
 
 
 @dataclass
 class LookupStats:
-    """Hit rates of lookup nodes by effective match length, measured during one call from `PRIOR_RATES`."""
+    """Hit rates of one lookup source's nodes by effective match length, measured during one call from its prior
+    (`PRIOR_RATES` for the context, `CORPUS_PRIOR_RATES` for the corpus)."""
 
+    prior: tuple[float, ...] = PRIOR_RATES
     prior_weight: float = 4.0  # pseudo-trials at the prior rate
     hits: list[float] = field(default_factory=lambda: [0.0] * len(PRIOR_RATES))
     trials: list[float] = field(default_factory=lambda: [0.0] * len(PRIOR_RATES))
@@ -56,7 +72,7 @@ class LookupStats:
 
     def rate(self, match: int) -> float:
         b = self.bucket(match)
-        return (self.hits[b] + self.prior_weight * PRIOR_RATES[b]) / (self.trials[b] + self.prior_weight)
+        return (self.hits[b] + self.prior_weight * self.prior[b]) / (self.trials[b] + self.prior_weight)
 
     def observe(self, match: int, hit: bool) -> None:
         b = self.bucket(match)
@@ -105,10 +121,15 @@ class LookupState:
 
     def observe(self, parents: list[int], lookup_match: list[int], path: list[int]) -> None:
         """Count every lookup node whose parent was accepted: a hit if it was accepted too."""
-        on_path = set(path)
-        for node in range(1, len(parents)):
-            if lookup_match[node] > 0 and parents[node] in on_path:
-                self.stats.observe(lookup_match[node], node in on_path)
+        observe_nodes(self.stats, parents, lookup_match, path)
+
+
+def observe_nodes(stats: LookupStats, parents: list[int], match: list[int], path: list[int]) -> None:
+    """Count every node of a source (`match[node] > 0`: its effective match there) whose parent was accepted."""
+    on_path = set(path)
+    for node in range(1, len(parents)):
+        if match[node] > 0 and parents[node] in on_path:
+            stats.observe(match[node], node in on_path)
 
 
 def lookup_conditionals(trie: LookupTrie, stats: LookupStats) -> list[float]:
@@ -126,29 +147,91 @@ def _effective_match(trie: LookupTrie, depths: list[int], i: int) -> int:
     return trie.match[i] + depths[i] - 1
 
 
+@dataclass
+class Candidates:
+    """One row's lookup continuations this cycle, from one source or several merged: the trie, each node's
+    conditional estimate, its sources (LOOKUP, CORPUS or both) and its effective match per source (0: not from it)."""
+
+    trie: LookupTrie
+    cond: list[float]
+    sources: list[int]
+    match: list[int]  # the context's
+    corpus_match: list[int]
+
+    @classmethod
+    def of(cls, trie: LookupTrie, cond: list[float], source: int = LOOKUP) -> Candidates:
+        """One source's trie (`source`: LOOKUP or CORPUS) with its `lookup_conditionals`."""
+        depths = trie.depths()
+        match = [0] + [_effective_match(trie, depths, i) for i in range(1, trie.num_nodes)]
+        zeros = [0] * trie.num_nodes
+        return cls(trie, cond, [0] + [source] * (trie.num_nodes - 1), match if source == LOOKUP else zeros,
+                   match if source == CORPUS else zeros)  # fmt: skip
+
+
+def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
+    """`second`'s nodes merged into `first`'s (a node with the same token under the same parent becomes one node of
+    both sources, with the larger estimate); `first`'s nodes keep their indices, so parents still come first."""
+    trie = LookupTrie(list(first.trie.tokens), list(first.trie.parents), list(first.trie.counts),
+                      list(first.trie.match))  # fmt: skip
+    out = Candidates(trie, list(first.cond), list(first.sources), list(first.match), list(first.corpus_match))
+    child_of = {(trie.parents[i], trie.tokens[i]): i for i in range(1, trie.num_nodes)}
+    mapped = [0] * second.trie.num_nodes
+    for i in range(1, second.trie.num_nodes):
+        parent, token = mapped[second.trie.parents[i]], second.trie.tokens[i]
+        node = child_of.get((parent, token))
+        if node is None:
+            node = child_of[(parent, token)] = trie.num_nodes
+            for values, value in ((trie.tokens, token), (trie.parents, parent), (trie.counts, 0), (trie.match, 0),
+                                  (out.cond, 0.0), (out.sources, 0), (out.match, 0), (out.corpus_match, 0)):  # fmt: skip
+                values.append(value)
+        out.cond[node] = max(out.cond[node], second.cond[i])
+        out.sources[node] |= second.sources[i]
+        out.match[node] = max(out.match[node], second.match[i])
+        out.corpus_match[node] = max(out.corpus_match[node], second.corpus_match[i])
+        trie.match[node] = max(trie.match[node], second.trie.match[i])
+        mapped[i] = node
+    return out
+
+
+def _log_scores(parents: list[int], cond: list[float]) -> list[float]:
+    """Each node's log estimate: the sum of log conditional estimates from the root."""
+    scores = [0.0]
+    for i in range(1, len(parents)):
+        scores.append(scores[parents[i]] + math.log(max(cond[i], 1e-12)))
+    return scores
+
+
 def lookup_only_tree(root: int, trie: LookupTrie, cond: list[float], device: torch.device, total_tokens: int,
                      ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
     """The trie as a tree (scores: log estimates), cut to its best `total_tokens` nodes (root included).
     Returns (tree, sources, effective match per node: 0 for the root)."""
-    depths = trie.depths()
-    scores = [0.0]
-    for i in range(1, trie.num_nodes):
-        scores.append(scores[trie.parents[i]] + math.log(max(cond[i], 1e-12)))
-    host = HostTree([root] + trie.tokens[1:], list(trie.parents), scores)
-    match = [0] + [_effective_match(trie, depths, i) for i in range(1, trie.num_nodes)]
-    return _cut(host, [0] + [LOOKUP] * (trie.num_nodes - 1), match, total_tokens, device)
+    return candidates_tree(root, Candidates.of(trie, cond), device, total_tokens)[:3]
+
+
+def candidates_tree(root: int, cands: Candidates, device: torch.device, total_tokens: int,
+                    ) -> tuple[DraftTree, list[int], list[int], list[int]]:  # fmt: skip
+    """`lookup_only_tree` of merged candidates. Returns (tree, sources, context match, corpus match) per node."""
+    trie = cands.trie
+    host = HostTree([root] + trie.tokens[1:], list(trie.parents), _log_scores(trie.parents, cands.cond))
+    return _cut(host, list(cands.sources), list(cands.match), total_tokens, device, list(cands.corpus_match))
 
 
 def graft(tree: DraftTree, trie: LookupTrie, cond: list[float], total_tokens: int,
           ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
     """Merge the trie into a greedy draft tree (see the module docstring); keep the best `total_tokens` nodes.
     Returns (tree, sources, effective match per node: 0 for pure draft nodes)."""
+    return graft_candidates(tree, Candidates.of(trie, cond), total_tokens)[:3]
+
+
+def graft_candidates(tree: DraftTree, cands: Candidates, total_tokens: int,
+                     ) -> tuple[DraftTree, list[int], list[int], list[int]]:  # fmt: skip
+    """`graft` of merged candidates. Returns (tree, sources, context match, corpus match) per node."""
+    trie, cond = cands.trie, cands.cond
     host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
     tokens, parents, scores = list(host.tokens), list(host.parents), list(host.scores)
     sources = [0] + [DRAFT] * (len(tokens) - 1)
-    match = [0] * len(tokens)
+    match, corpus_match = [0] * len(tokens), [0] * len(tokens)
     child_of = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-    depths = trie.depths()
     mapped = [0] * trie.num_nodes  # trie node -> tree node
     for i in range(1, trie.num_nodes):
         parent = mapped[trie.parents[i]]
@@ -159,33 +242,37 @@ def graft(tree: DraftTree, trie: LookupTrie, cond: list[float], total_tokens: in
             tokens.append(trie.tokens[i])
             parents.append(parent)
             scores.append(score)
-            sources.append(LOOKUP)
+            sources.append(0)
             match.append(0)
+            corpus_match.append(0)
             child_of[(parent, trie.tokens[i])] = node
         else:
             scores[node] = max(scores[node], score)
-            sources[node] |= LOOKUP
-        match[node] = _effective_match(trie, depths, i)
+        sources[node] |= cands.sources[i]
+        match[node], corpus_match[node] = cands.match[i], cands.corpus_match[i]
         mapped[i] = node
-    return _cut(HostTree(tokens, parents, scores), sources, match, total_tokens, tree.tokens.device)
+    return _cut(HostTree(tokens, parents, scores), sources, match, total_tokens, tree.tokens.device, corpus_match)
 
 
 def _cut(host: HostTree, sources: list[int], match: list[int], total_tokens: int, device: torch.device,
-         ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
-    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host.
-    The scores are rounded to the tree's fp32 first, so that ties are those of the tensor it becomes."""
+         corpus_match: list[int] | None = None) -> tuple[DraftTree, list[int], list[int], list[int] | None]:
+    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host;
+    per node its sources, context match and corpus match (None stays None). The scores are rounded to the tree's fp32
+    first, so that ties are those of the tensor it becomes."""
     host = HostTree(host.tokens, host.parents, array("f", host.scores).tolist())
     if len(host.parents) > total_tokens:
         kept = cut_host(host, total_tokens)
         host, sources, match = subtree(host, kept), [sources[r] for r in kept], [match[r] for r in kept]
-    return DraftTree.from_lists(host, device), sources, match
+        corpus_match = None if corpus_match is None else [corpus_match[r] for r in kept]
+    return DraftTree.from_lists(host, device), sources, match, corpus_match
 
 
-def prune_nodes(tree: DraftTree, sources: list[int], match: list[int], n: int,
-                ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
-    """The root and the tree's `n` best nodes (the cost model's choice of size)."""
+def prune_nodes(tree: DraftTree, sources: list[int], match: list[int], n: int, corpus_match: list[int] | None = None,
+                ) -> tuple[DraftTree, list[int], list[int], list[int] | None]:  # fmt: skip
+    """The root and the tree's `n` best nodes (the cost model's choice of size); per node its sources, context
+    match and corpus match (None stays None)."""
     host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
-    return _cut(host, sources, match, n + 1, tree.tokens.device)
+    return _cut(host, sources, match, n + 1, tree.tokens.device, corpus_match)
 
 
 @dataclass
@@ -197,24 +284,25 @@ class SampledGraft:
     draws: dict[int, list[int]]  # node -> the draft's draw sequence there, removed duplicates included
     sources: list[int]
     match: list[int]
+    corpus_match: list[int]
 
 
-def graft_sampled(tree: DraftTree, trie: LookupTrie, cond: list[float], lookup_nodes: list[int]) -> SampledGraft:
-    """Put the trie nodes `lookup_nodes` (a prefix-closed set, in trie order) first, then the sampled draft tree's
-    nodes minus the root's children equal to a lookup depth-1 token (and their subtrees)."""
-    device = tree.tokens.device
+def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -> SampledGraft:
+    """Put the candidates' trie nodes `lookup_nodes` (a prefix-closed set, in trie order) first, then the sampled
+    draft tree's nodes minus the root's children equal to a lookup depth-1 token (and their subtrees)."""
+    device, trie = tree.tokens.device, cands.trie
     t_tokens, t_parents, t_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
-    depths = trie.depths()
     new_of_trie = {0: 0}
-    tokens, parents, scores, sources, match = [t_tokens[0]], [-1], [0.0], [0], [0]
+    tokens, parents, scores, sources, match, corpus_match = [t_tokens[0]], [-1], [0.0], [0], [0], [0]
     for i in lookup_nodes:
         new_of_trie[i] = len(tokens)
         parent = new_of_trie[trie.parents[i]]
         tokens.append(trie.tokens[i])
         parents.append(parent)
-        scores.append(scores[parent] + math.log(max(cond[i], 1e-12)))
-        sources.append(LOOKUP)
-        match.append(_effective_match(trie, depths, i))
+        scores.append(scores[parent] + math.log(max(cands.cond[i], 1e-12)))
+        sources.append(cands.sources[i])
+        match.append(cands.match[i])
+        corpus_match.append(cands.corpus_match[i])
     n_lookup = len(tokens) - 1
     first_level = {trie.tokens[i] for i in lookup_nodes if trie.parents[i] == 0}
     draws = {0: [t_tokens[c] for c in range(1, len(t_tokens)) if t_parents[c] == 0]} if first_level else {}
@@ -230,6 +318,7 @@ def graft_sampled(tree: DraftTree, trie: LookupTrie, cond: list[float], lookup_n
         scores.append(t_scores[c])
         sources.append(DRAFT)
         match.append(0)
+        corpus_match.append(0)
         rows.append(c)
     probs = tree.draft_probs[torch.tensor(rows, device=device)] if tree.draft_probs is not None else None
     merged = DraftTree.from_parents(
@@ -240,7 +329,8 @@ def graft_sampled(tree: DraftTree, trie: LookupTrie, cond: list[float], lookup_n
     )
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
-    return SampledGraft(tree=merged, point_mass=point_mass, draws=draws, sources=sources, match=match)
+    return SampledGraft(tree=merged, point_mass=point_mass, draws=draws, sources=sources, match=match,
+                        corpus_match=corpus_match)
 
 
 def best_lookup_nodes(trie: LookupTrie, cond: list[float], limit: int, min_estimate: float = 0.05) -> list[int]:
@@ -255,9 +345,18 @@ def best_lookup_nodes(trie: LookupTrie, cond: list[float], limit: int, min_estim
     return sorted(i for i in chosen if trie.parents[i] == 0 or trie.parents[i] in chosen)
 
 
-def source_counts(sources: list[int], path: list[int], emitted_drafts: int) -> tuple[int, int, int]:
-    """(draft, lookup, both): where the first `emitted_drafts` accepted nodes of `path` (root excluded) came from."""
-    counts = [0, 0, 0]
+def source_counts(sources: list[int], path: list[int], emitted_drafts: int) -> tuple[int, int, int, int]:
+    """(draft, context, corpus, several): where the first `emitted_drafts` accepted nodes of `path` (root excluded)
+    came from -- one source alone, or several (a node that two or three sources proposed)."""
+    counts = [0, 0, 0, 0]
     for node in path[1 : 1 + emitted_drafts]:
-        counts[{DRAFT: 0, LOOKUP: 1, BOTH: 2}[sources[node]]] += 1
-    return counts[0], counts[1], counts[2]
+        counts[{DRAFT: 0, LOOKUP: 1, CORPUS: 2}.get(sources[node], 3)] += 1
+    return counts[0], counts[1], counts[2], counts[3]
+
+
+def source_totals(per_cycle: list[tuple[int, ...]]) -> dict[str, int]:
+    """The call's totals of `source_counts` tuples, as the generate output's `accepted_from_*` fields
+    (`accepted_from_lookup`: the context alone; `accepted_from_both`: several sources)."""
+    totals = [sum(counts[i] for counts in per_cycle) for i in range(len(SOURCE_NAMES))]
+    return dict(zip(("accepted_from_draft", "accepted_from_lookup", "accepted_from_corpus", "accepted_from_both"),
+                    totals))  # fmt: skip

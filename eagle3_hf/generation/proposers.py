@@ -9,9 +9,12 @@ from except to report it. A proposer is per-call state: decoding builds a new on
 Three ship:
 - `DraftProposer`: the EAGLE-3 draft's tree (greedy: EAGLE-2's dynamic tree; sampled: children drawn without
   replacement), its draft consulted when the cost model says a tree may pay;
-- `LookupProposer`: the context lookup's continuations of each row's current suffix (model-free);
-- `HybridProposer`: both in one tree under one node budget, a lookup node equal to a draft node merged (hybrid.py);
-  the draft's forward is skipped in a cycle where every row's lookup is confident of its next token.
+- `LookupProposer`: the continuations of each row's current suffix from the context lookup, the corpus of the
+  target's earlier answers (corpus_source.py), or both merged (model-free);
+- `HybridProposer`: the draft and the lookup sources in one tree under one node budget, a lookup node equal to a
+  draft node merged (hybrid.py); the draft's forward is skipped in a cycle where every row's lookup is confident of
+  its next token.
+`build_proposer` picks one for a call.
 """
 
 from __future__ import annotations
@@ -22,15 +25,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from eagle3_hf.generation.corpus_source import CorpusSource
 from eagle3_hf.generation.drafting import DraftState, build_greedy_trees, catch_up
-from eagle3_hf.generation.context_index import LookupTrie
 from eagle3_hf.generation.hybrid import (
+    Candidates,
     LookupOptions,
     LookupState,
     best_lookup_nodes,
-    graft,
+    candidates_tree,
+    graft_candidates,
     graft_sampled,
-    lookup_only_tree,
+    merge_candidates,
+    prune_nodes,
 )
 from eagle3_hf.generation.sampled_trees import build_sampled_trees
 from eagle3_hf.generation.target_cache import worth_compacting
@@ -41,7 +47,7 @@ from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 if TYPE_CHECKING:  # the loop's per-call state; proposers read it, the loop owns it
     from eagle3_hf.generation.engine import DecodeRun
 
-__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "Proposal", "Proposer", "RowTree"]
+__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "Proposal", "Proposer", "RowTree", "build_proposer"]
 
 
 @dataclass
@@ -50,10 +56,15 @@ class RowTree:
     where it came from."""
 
     tree: DraftTree
-    sources: list[int] | None = None  # per node DRAFT, LOOKUP or BOTH (hybrid.py); None: every node from the draft
-    match: list[int] | None = None  # per node: effective lookup match length, 0 for nodes not from the lookup
+    sources: list[int] | None = None  # per node its source bits, DRAFT | LOOKUP | CORPUS (hybrid.py); None: the draft
+    match: list[int] | None = None  # per node: effective context match length, 0 for nodes not from the context
+    corpus_match: list[int] | None = None  # per node: effective corpus match length, 0 for nodes not from it
     point_mass: torch.Tensor | None = None  # sampled trees: nodes that are lookup proposals (a point mass)
     draws: dict[int, list[int]] | None = None  # sampled trees: draw sequences where duplicates were removed
+
+    def prune(self, n: int) -> RowTree:
+        """The root and the row's `n` best nodes (greedy trees of several sources; the cost model's choice)."""
+        return RowTree(*prune_nodes(self.tree, self.sources, self.match, n, self.corpus_match))
 
 
 @dataclass
@@ -92,6 +103,9 @@ class Proposer:
 
     def select_rows(self, rows: list[int]) -> None:
         """Only the active rows `rows` (indices into the current ones) go on (the others finished)."""
+
+    def finish(self, run: DecodeRun) -> None:
+        """The call is over (`run.out` holds every row's output)."""
 
 
 class DraftProposer(Proposer):
@@ -149,37 +163,47 @@ class DraftProposer(Proposer):
 
 
 class LookupProposer(Proposer):
-    """The context lookup's continuations of each row's suffix (context_index.py), with estimates from hit rates
-    measured during the call (hybrid.py)."""
+    """The lookup sources' continuations of each row's suffix: the context lookup's (context_index.py; unless
+    `context` is False) and the corpus's (`corpus`), merged, with estimates from hit rates measured during the call
+    (hybrid.py)."""
 
-    def __init__(self, options: LookupOptions) -> None:
-        self.options = options
-        self.lookups: list[LookupState] = []  # per active row
+    def __init__(self, options: LookupOptions, corpus: CorpusSource | None = None, context: bool = True) -> None:
+        if not context and corpus is None:
+            raise ValueError("A lookup proposer needs a source: the context lookup, a corpus, or both.")
+        self.options, self.corpus, self.context = options, corpus, context
+        self.lookups: list[LookupState] = []  # per active row (the context's index and hit rates)
 
     def prefill(self, run, features, next_tokens, valid) -> None:
-        self.lookups = [LookupState(options=self.options) for _ in run.active]
+        self.lookups = [LookupState(options=self.options) for _ in run.active] if self.context else []
+        self.prompt_ends = list(run.lengths)  # where each row's output starts (what an online corpus keeps)
 
-    def tries(self, run: DecodeRun) -> list[tuple[LookupTrie, list[float]]]:
-        """Each active row's (trie, conditional estimates) for this cycle, its index synced with its output."""
+    def tries(self, run: DecodeRun) -> list[Candidates]:
+        """Each active row's candidates for this cycle (the context's first), its index synced with its output."""
         out = []
-        for lookup, row in zip(self.lookups, run.active):
-            lookup.sync(run.tokens[row][run.starts[row] :])  # the host's copy of the row's output
-            out.append(lookup.propose())
+        for i, row in enumerate(run.active):
+            sequence = run.tokens[row][run.starts[row] :]  # the host's copy of the row's output
+            cands = None
+            if self.context:
+                self.lookups[i].sync(sequence)
+                cands = Candidates.of(*self.lookups[i].propose())
+            if self.corpus is not None:
+                found = self.corpus.propose(sequence)
+                cands = found if cands is None else merge_candidates(cands, found)
+            out.append(cands)
         return out
 
-    def rows(self, run: DecodeRun, roots: torch.Tensor,
-             tries: list[tuple[LookupTrie, list[float]]]) -> list[RowTree] | None:  # fmt: skip
+    def rows(self, run: DecodeRun, roots: torch.Tensor, tries: list[Candidates]) -> list[RowTree] | None:
         """Lookup-only trees (None when no row has a continuation)."""
         trees, total = [], run.budget.total_tokens
-        for root, (trie, cond) in zip(run.roots(), tries):
-            if trie.num_nodes <= 1:
+        for root, cands in zip(run.roots(), tries):
+            if cands.trie.num_nodes <= 1:
                 trees.append(root_only(root, run.device))
             elif run.do_sample:
-                chosen = best_lookup_nodes(trie, cond, total - 1)
+                chosen = best_lookup_nodes(cands.trie, cands.cond, total - 1)
                 base = root_only(root, run.device).tree
-                trees.append(_sampled_graft(base, trie, cond, chosen) if chosen else RowTree(base))
+                trees.append(_sampled_graft(base, cands, chosen) if chosen else RowTree(base))
             else:
-                trees.append(RowTree(*lookup_only_tree(root, trie, cond, run.device, total)))
+                trees.append(RowTree(*candidates_tree(root, cands, run.device, total)))
         return trees if any(row.tree.num_nodes > 1 for row in trees) else None
 
     def propose(self, run, roots) -> Proposal:
@@ -188,12 +212,18 @@ class LookupProposer(Proposer):
     def observe(self, run, proposal, results, features, tokens, keep) -> None:
         if proposal.rows is None:
             return
-        for lookup, row, result in zip(self.lookups, proposal.rows, results):
-            if row.match is not None:
-                lookup.observe(row.tree.host.parents, row.match, result.path)
+        for i, (row, result) in enumerate(zip(proposal.rows, results)):
+            if self.context and row.match is not None:
+                self.lookups[i].observe(row.tree.host.parents, row.match, result.path)
+            if self.corpus is not None and row.corpus_match is not None:
+                self.corpus.observe(row.tree.host.parents, row.corpus_match, result.path)
 
     def select_rows(self, rows) -> None:
-        self.lookups = [self.lookups[i] for i in rows]
+        self.lookups = [self.lookups[i] for i in rows] if self.context else []
+
+    def finish(self, run) -> None:
+        if self.corpus is not None:  # each row's new tokens, from the host's copy
+            self.corpus.finish([run.tokens[row][self.prompt_ends[row] :] for row in range(run.batch_size)])
 
 
 class HybridProposer(Proposer):
@@ -201,9 +231,10 @@ class HybridProposer(Proposer):
 
     needs_hidden_states = True
 
-    def __init__(self, draft: Eagle3DraftModel, options: LookupOptions) -> None:
+    def __init__(self, draft: Eagle3DraftModel, options: LookupOptions, corpus: CorpusSource | None = None,
+                 context: bool = True) -> None:  # fmt: skip
         self.draft = DraftProposer(draft)
-        self.lookup = LookupProposer(options)
+        self.lookup = LookupProposer(options, corpus, context)
 
     def prefill(self, run, features, next_tokens, valid) -> None:
         self.draft.prefill(run, features, next_tokens, valid)
@@ -212,22 +243,22 @@ class HybridProposer(Proposer):
     def propose(self, run, roots) -> Proposal:
         tries = self.lookup.tries(run)
         # a lookup this sure of every row's next token leaves the draft little to add: skip its forward this cycle
-        confident = all(any(cond[i] >= self.lookup.options.confidence for i in range(1, trie.num_nodes)
-                            if trie.parents[i] == 0) for trie, cond in tries)  # fmt: skip
+        confident = all(any(c.cond[i] >= self.lookup.options.confidence for i in range(1, c.trie.num_nodes)
+                            if c.trie.parents[i] == 0) for c in tries)  # fmt: skip
         consulted, worth = (False, False) if confident else self.draft.consult(run)
         if not worth:
             return Proposal(self.lookup.rows(run, roots, tries), consulted=consulted)
         total = run.budget.total_tokens
         if run.do_sample:  # the lookup's nodes are chosen from the context alone, before any draw
             room = total - 1 - run.budget.top_k  # leave the draft its first level
-            chosen = [best_lookup_nodes(trie, cond, room) for trie, cond in tries]
+            chosen = [best_lookup_nodes(c.trie, c.cond, room) for c in tries]
             trees = self.draft.trees(run, roots, totals=[total - len(c) for c in chosen])
-            rows = [_sampled_graft(tree, trie, cond, c) if c else RowTree(tree)
-                    for tree, (trie, cond), c in zip(trees, tries, chosen)]  # fmt: skip
+            rows = [_sampled_graft(tree, cands, c) if c else RowTree(tree)
+                    for tree, cands, c in zip(trees, tries, chosen)]  # fmt: skip
         else:
             drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
-            rows = [RowTree(*graft(tree, trie, cond, total)) if trie.num_nodes > 1 else RowTree(tree)
-                    for tree, (trie, cond) in zip(drafted, tries)]  # fmt: skip
+            rows = [RowTree(*graft_candidates(tree, cands, total)) if cands.trie.num_nodes > 1 else RowTree(tree)
+                    for tree, cands in zip(drafted, tries)]  # fmt: skip
         return Proposal(rows, consulted=True)
 
     def observe(self, run, proposal, results, features, tokens, keep) -> None:
@@ -238,8 +269,23 @@ class HybridProposer(Proposer):
         self.draft.select_rows(rows)
         self.lookup.select_rows(rows)
 
+    def finish(self, run) -> None:
+        self.lookup.finish(run)
 
-def _sampled_graft(tree: DraftTree, trie: LookupTrie, cond: list[float], chosen: list[int]) -> RowTree:
+
+def build_proposer(draft: Eagle3DraftModel | None, options: LookupOptions, context: bool,
+                   corpus: CorpusSource | None) -> Proposer:  # fmt: skip
+    """A call's proposer: the draft's tree alone, the lookup sources' alone (no draft), or all in one tree
+    (`context`: whether the context lookup is one of them; `corpus`: the corpus source, if any)."""
+    if draft is None:
+        return LookupProposer(options, corpus, context)
+    if not context and corpus is None:
+        return DraftProposer(draft)
+    return HybridProposer(draft, options, corpus, context)
+
+
+def _sampled_graft(tree: DraftTree, cands: Candidates, chosen: list[int]) -> RowTree:
     """A sampled tree with the lookup's `chosen` trie nodes as point-mass proposals (hybrid.graft_sampled)."""
-    grafted = graft_sampled(tree, trie, cond, chosen)
-    return RowTree(grafted.tree, grafted.sources, grafted.match, grafted.point_mass, grafted.draws)
+    grafted = graft_sampled(tree, cands, chosen)
+    return RowTree(grafted.tree, grafted.sources, grafted.match, grafted.corpus_match, grafted.point_mass,
+                   grafted.draws)  # fmt: skip

@@ -20,13 +20,16 @@ from safetensors import SafetensorError, safe_open
 from eagle3_hf.modeling.layouts import CONFIG_NAME, detect_layout, normalize_key
 from eagle3_hf.modeling.shipped import shipped_draft_folder, unknown_draft_hint
 
-__all__ = ["HUB_KWARGS", "WEIGHT_FILES", "open_safetensors", "read_checkpoint", "read_weights"]
+__all__ = ["CORPUS_FILE", "HUB_KWARGS", "WEIGHT_FILES", "corpus_file", "open_safetensors", "read_checkpoint",
+           "read_weights"]  # fmt: skip
 
 # Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
 WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
 )  # fmt: skip
 HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_only", "subfolder", "proxies")
+# A draft's corpus of its target's earlier answers, saved beside it (eagle3_hf.generation.corpus_index); never weights.
+CORPUS_FILE = "corpus.safetensors"
 
 
 def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -> str:
@@ -50,6 +53,17 @@ def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -
         raise ValueError(f"{path!r} is neither a local checkpoint folder, a draft shipped with eagle3_hf "
                          f"({unknown_draft_hint(path)}), nor a Hub repo that could be fetched: {err}") from err
     return os.path.join(root, subfolder)
+
+
+def corpus_file(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -> str | None:
+    """The path of the `CORPUS_FILE` in a checkpoint's folder (a Hub checkpoint's: the snapshot that loading it just
+    fetched, `*.safetensors` included), or None when it has none."""
+    try:
+        folder = _resolve_folder(path_or_id, dict(hub_kwargs, local_files_only=True))
+    except ValueError:  # not in the local Hub cache: nothing was fetched with the weights
+        return None
+    path = os.path.join(folder, CORPUS_FILE)
+    return path if os.path.isfile(path) else None
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from eagle3_hf.modeling.checkpoint_files import (  # noqa: F401  (open_safetensors, read_weights: re-exported)
     HUB_KWARGS,
+    corpus_file,
     open_safetensors,
     read_checkpoint,
     read_weights,
@@ -308,6 +309,7 @@ def load_draft(
     if has_embedding:  # as stored: transformers cast it to the draft's dtype, which may round it
         set_embedding(draft, state_dict[EMBED_KEY])
     draft.training_info = read_training_info(path_or_id)
+    draft.corpus = corpus_file(path_or_id, hub_kwargs)  # its target's earlier answers, read by generate()
     draft.embed_tokens.weight.requires_grad_(False)  # frozen, like the target's; the reload made a fresh Parameter
     if device is not None:
         draft.to(device)

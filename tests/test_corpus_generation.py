@@ -1,0 +1,224 @@
+"""The corpus as a lookup source in the tree (generation/corpus_source.py): decoding that stays exact.
+
+The corpus holds the target's own greedy answers to other prompts (what `eagle3-hf corpus` indexes), so that its
+continuations are often right. Greedy: with a corpus beside the draft and the context (the hybrid tree), with the
+corpus and the context and no draft (`ContextLookup(corpus=...)`), and with the corpus alone beside the draft, output
+equals plain greedy decoding token for token in fp32 across the families of test_generation.py, for one prompt and
+for a left-padded batch -- and the corpus must have proposed accepted tokens, or the test proves nothing. The
+accepted tokens by source add up. Sampling: corpus nodes are point-mass proposals beside the draft's samples; the
+first cycle's tokens follow the target's law (chi-square, as test_sampling.py). Then loading: a draft's corpus file
+beside it, online growth, and the bench's `corpus_tree`.
+"""
+
+import pytest
+import torch
+from test_batched_generation import left_padded, unpadded
+from test_generation import FAMILIES, NEW, V, cached_cases, eagle, make_prompts, plain
+from test_sampling import REPEATING, SETTINGS, TREES, check_law, models  # noqa: F401 (models: the sampling fixture)
+from test_sampling import V as SV
+
+from eagle3_hf import ContextLookup, Eagle3DraftModel
+from eagle3_hf.generation.context_index import build_trie
+from eagle3_hf.generation.corpus_index import CORPUS_FILE, CorpusIndex
+from eagle3_hf.generation.corpus_source import GrowingCorpus, open_corpus
+from eagle3_hf.generation.hybrid import (
+    CORPUS,
+    LOOKUP,
+    Candidates,
+    LookupStats,
+    candidates_tree,
+    lookup_conditionals,
+    merge_candidates,
+    source_counts,
+)
+
+CORPUS_PROMPTS = 8  # answers in each family's corpus
+CORPUS_TOKENS = 48
+
+
+def corpus_of(target, seed=100, vocab=V, new=CORPUS_TOKENS, count=CORPUS_PROMPTS):
+    """The target's own greedy answers to `count` random prompts (none of the test prompts), indexed."""
+    generator = torch.Generator().manual_seed(seed)
+    answers = []
+    for _ in range(count):
+        prompt = torch.randint(0, vocab, (1, 5), generator=generator)
+        answers.append(plain(target, prompt, max_new_tokens=new)[0, 5:].tolist())
+    return CorpusIndex.build(answers, vocab_size=vocab)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    """family -> (target, draft, prompts, plain outputs, corpus)."""
+    get = cached_cases(make_prompts)
+    corpora = {}
+
+    def with_corpus(family):
+        target, draft, prompts, references = get(family)
+        if family not in corpora:
+            corpora[family] = corpus_of(target)
+        return target, draft, prompts, references, corpora[family]
+
+    return with_corpus
+
+
+def corpus_accepted(out):
+    """Accepted tokens the corpus proposed, alone or with another source."""
+    return out.accepted_from_corpus + out.accepted_from_both
+
+
+def check_sources_add_up(out):
+    """Per cycle, (draft, context, corpus, several) are the accepted tree tokens: what it added minus its bonus (the
+    last cycle may add fewer, cut by the stopping criteria)."""
+    assert all(len(counts) == 4 for counts in out.accept_sources)
+    for counts, added in zip(out.accept_sources[:-1], out.accept_lengths[:-1]):
+        assert sum(counts) == added - 1
+    assert sum(out.accept_sources[-1]) <= out.accept_lengths[-1]
+    totals = [out.accepted_from_draft, out.accepted_from_lookup, out.accepted_from_corpus, out.accepted_from_both]
+    assert totals == [sum(c[i] for c in out.accept_sources) for i in range(4)]
+
+
+ASSISTANTS = {
+    "hybrid": dict(context_lookup=True, tree_top_k=2, tree_depth=4, adaptive_tree=False),
+    "hybrid-adaptive": dict(context_lookup=True),
+    "draft+corpus": dict(context_lookup=False, tree_top_k=2, tree_depth=4, adaptive_tree=False),
+    "corpus_tree": dict(adaptive_tree=False),  # ContextLookup(corpus=...): no draft
+}
+
+
+@pytest.mark.parametrize("assistant", list(ASSISTANTS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_corpus_trees_greedy_match_plain_generate(cases, family, assistant):
+    target, draft, prompts, references, corpus = cases(family)
+    helper = ContextLookup(corpus=corpus).bind(target) if assistant == "corpus_tree" else draft
+    extra = {} if assistant == "corpus_tree" else dict(corpus=corpus)
+    accepted = 0
+    for prompt, reference in zip(prompts, references):
+        out = eagle(target, helper, prompt, max_new_tokens=NEW, return_dict_in_generate=True, **extra,
+                    **ASSISTANTS[assistant])  # fmt: skip
+        assert out.sequences.tolist() == reference.tolist(), f"{family}/{assistant}, prompt of {prompt.shape[1]}"
+        check_sources_add_up(out)
+        accepted += corpus_accepted(out)
+        if assistant == "corpus_tree":
+            assert out.accepted_from_draft == 0
+        if assistant == "draft+corpus":
+            assert out.accepted_from_lookup == 0  # no context lookup
+    if assistant != "hybrid-adaptive":  # the cost model may rightly verify little on a random target
+        assert accepted > 0, f"{family}/{assistant}: the corpus never proposed an accepted token"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("assistant", ["corpus_tree", "hybrid"])
+def test_batched_corpus_trees_equal_each_rows_plain_greedy(cases, family, assistant):
+    target, draft, prompts, _, corpus = cases(family)
+    ids, mask = left_padded(prompts)
+    helper = ContextLookup(corpus=corpus).bind(target) if assistant == "corpus_tree" else draft
+    extra = {} if assistant == "corpus_tree" else dict(corpus=corpus, context_lookup=True)
+    out = target.generate(ids, attention_mask=mask, assistant_model=helper, do_sample=False, max_new_tokens=NEW,
+                          return_dict_in_generate=True, adaptive_tree=False, **extra)  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        assert unpadded(out.sequences, mask, row) == plain(target, prompt, max_new_tokens=NEW)[0].tolist(), f"row {row}"
+    assert len(out.accept_sources) == len(prompts)
+    assert corpus_accepted(out) > 0
+
+
+def test_corpus_off_and_refusals(cases):
+    target, draft, prompts, references, _ = cases("llama")
+    out = eagle(target, draft, prompts[1], max_new_tokens=NEW, return_dict_in_generate=True, corpus=False,
+                adaptive_tree=False)  # fmt: skip
+    assert out.sequences.tolist() == references[1].tolist() and out.accepted_from_corpus == 0
+    wide = CorpusIndex.build([[1, 2, 3, 40]], vocab_size=V + 32)
+    with pytest.raises(ValueError, match="vocabulary of 48 ids, larger than this target's 16"):
+        eagle(target, draft, prompts[0], max_new_tokens=4, corpus=wide)
+    with pytest.raises(ValueError, match="corpus must be a CorpusIndex"):
+        eagle(target, draft, prompts[0], max_new_tokens=4, corpus=3)
+    with pytest.raises(ValueError, match="No corpus index at"):
+        eagle(target, draft, prompts[0], max_new_tokens=4, corpus="no/such/corpus.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------
+# merging the sources (pure)
+
+
+def test_merged_candidates_keep_each_sources_match_and_the_larger_estimate():
+    context = build_trie([7, 1, 4, 5, 7], [(1, 3)], depth=3)  # r -> 1 -> 4 -> 5, on a 3-token match
+    corpus = build_trie([7, 1, 6, 9, 7], [(1, 5)], depth=2)  # r -> 1 -> 6, on a 5-token match
+    corpus.counts = [4, 4, 4]
+    ctx = Candidates.of(context, lookup_conditionals(context, LookupStats()))
+    cor = Candidates.of(corpus, lookup_conditionals(corpus, LookupStats(prior=(0.9,) * 8)), CORPUS)
+    merged = merge_candidates(ctx, cor)
+    assert merged.trie.tokens == [-1, 1, 4, 5, 6] and merged.trie.parents == [-1, 0, 1, 2, 1]
+    assert merged.sources == [0, LOOKUP | CORPUS, LOOKUP, LOOKUP, CORPUS]
+    assert merged.match == [0, 3, 4, 5, 0] and merged.corpus_match == [0, 5, 0, 0, 6]
+    assert merged.cond[1] == pytest.approx(0.9) and merged.cond[2] == ctx.cond[2]
+    tree, sources, match, corpus_match = candidates_tree(9, merged, torch.device("cpu"), total_tokens=3)
+    assert tree.tokens.tolist() == [9, 1, 6] and sources == [0, LOOKUP | CORPUS, CORPUS]  # the corpus's 0.81 wins
+    assert corpus_match == [0, 5, 6] and match == [0, 3, 0]
+    assert source_counts([0, 1, 2, 4, 3, 6], [0, 1, 2, 3, 4, 5], 5) == (1, 1, 1, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling with corpus point masses
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampling_with_corpus_proposals_follows_the_target_law(models, setting):  # noqa: F811
+    target, draft = models
+    torch.manual_seed(3000 + list(SETTINGS).index(setting))
+    # the corpus: the target's own sampled answers to this prompt (its end kept, so that they match), which the
+    # corpus continues with the most frequent of them -- its nodes are in every first cycle
+    tail = REPEATING[0, -4:].tolist()
+    answers = [tail + target.generate(REPEATING, attention_mask=torch.ones_like(REPEATING), do_sample=True, top_k=0,
+                                      max_new_tokens=4)[0, REPEATING.shape[1] :].tolist() for _ in range(200)]  # fmt: skip
+    corpus = CorpusIndex.build(answers, vocab_size=SV)
+    mixed = dict(TREES["tree"], context_lookup=False, corpus=corpus, lookup_confidence=1.0)
+    outputs = check_law(target, draft, REPEATING, SETTINGS[setting], mixed, f"corpus/{setting}")
+    assert sum(out.accept_sources[0][2] > 0 for out in outputs) > 0.05 * len(outputs), "corpus never accepted"
+    assert sum(out.accept_sources[0][0] > 0 for out in outputs) > 0.05 * len(outputs), "draft never accepted"
+
+
+# ------------------------------------------------------------------------------------------------
+# where a corpus comes from
+
+
+def test_a_drafts_corpus_file_is_loaded_with_it(cases, tmp_path):
+    target, draft, prompts, references, corpus = cases("qwen2")
+    draft.save_pretrained(tmp_path)
+    assert Eagle3DraftModel.from_pretrained(tmp_path, target=target).corpus is None
+    corpus.save(tmp_path / CORPUS_FILE)
+    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    assert loaded.corpus == str(tmp_path / CORPUS_FILE)
+    # no context lookup: a node of several sources is then the draft's and the corpus's
+    options = dict(max_new_tokens=NEW, return_dict_in_generate=True, tree_top_k=2, tree_depth=4, adaptive_tree=False,
+                   context_lookup=False)  # fmt: skip
+    used, off = 0, 0
+    for prompt, reference in zip(prompts, references):
+        out = eagle(target, loaded, prompt, **options)
+        assert out.sequences.tolist() == reference.tolist()
+        used += corpus_accepted(out)
+        off += corpus_accepted(eagle(target, loaded, prompt, corpus=False, **options))
+    assert used > 0 and off == 0
+
+
+def test_online_growth_indexes_earlier_outputs():
+    growth = GrowingCorpus(max_tokens=10, vocab_size=V, rebuild_every=4)
+    growth.add([[1, 2, 3, 4, 5, 6]])
+    assert growth.index is not None and growth.index.num_tokens == 6
+    growth.add([[7, 8, 9], [10, 11, 12, 13]])  # the oldest answer leaves: at most 10 tokens kept
+    assert [d.tolist() for d in growth.index.documents()] == [[7, 8, 9], [10, 11, 12, 13]]
+    assert open_corpus(None, V, depth=4) is None
+    source = open_corpus(None, V, depth=4, growth=64)
+    source.finish([[3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6]])
+    found = source.propose([7, 3, 1, 4])
+    assert found.trie.tokens[1:3] == [1, 5] and set(found.sources[1:]) == {CORPUS}
+
+
+def test_growth_inside_generate_stays_exact(cases):
+    target, _, prompts, references, _ = cases("llama")
+    lookup = ContextLookup().bind(target)
+    for _ in range(2):  # the second round finds the first round's outputs in the online corpus
+        outs = [target.generate(p, attention_mask=torch.ones_like(p), assistant_model=lookup, do_sample=False,
+                                max_new_tokens=NEW, return_dict_in_generate=True, adaptive_tree=False,
+                                corpus_growth=4096) for p in prompts]  # fmt: skip
+        assert [o.sequences.tolist() for o in outs] == [r.tolist() for r in references]
+    assert sum(corpus_accepted(o) for o in outs) > 0
+
