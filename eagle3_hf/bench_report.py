@@ -145,15 +145,13 @@ def format_table(report: dict[str, Any]) -> str:
     if "tau_chain" in report:
         lines.append(f"tau (chain, incl. bonus): {report['tau_chain']:.2f}")
     for name, counts in report.get("accepted_by_source", {}).items():
-        if counts["lookup"] or counts["both"]:  # a tree with a context lookup: where its tokens came from
-            lines.append(
-                f"{name}: accepted tokens from the draft {counts['draft']}, the lookup {counts['lookup']}, both "
-                f"{counts['both']}; tau {report['tau_by_method'][name]:.2f} over drafted cycles"
-            )
+        if any(value for key, value in counts.items() if key != "draft"):  # a tree with a lookup source
+            lines.append(f"{name}: accepted tokens from {source_text(counts)}; tau {report['tau_by_method'][name]:.2f} "
+                         f"over drafted cycles{field_tau_text(report, name)}")  # fmt: skip
     if "best_prompt_lookup" in report:
-        versus = report.get("lookup_tree_vs_best_prompt_lookup")
-        lines.append(f"fastest prompt lookup: {report['best_prompt_lookup']}"
-                     + ("" if versus is None else f"; lookup tree {versus:.2f}x it"))  # fmt: skip
+        versus = [f"; {m.replace('_', ' ')} {report[f'{m}_vs_best_prompt_lookup']:.2f}x it"
+                  for m in ("lookup_tree", "corpus_tree") if f"{m}_vs_best_prompt_lookup" in report]  # fmt: skip
+        lines.append(f"fastest prompt lookup: {report['best_prompt_lookup']}" + "".join(versus))
     if "identical" in report:
         lines.append(f"greedy tree outputs identical to plain at the same precision: {report['identical']:.0%}")
     if "row_exact" in report:
@@ -184,6 +182,21 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def source_text(counts: dict[str, int]) -> str:
+    """Accepted tokens by source, from a report of this version (draft, context, corpus, several) or an older one
+    (draft, lookup, both: the context lookup then was the only lookup source)."""
+    if "several" not in counts:
+        return f"the draft {counts['draft']}, the lookup {counts['lookup']}, both {counts['both']}"
+    return (f"the draft {counts['draft']}, the context {counts['context']}, the corpus {counts['corpus']}, several "
+            f"{counts['several']}")  # fmt: skip
+
+
+def field_tau_text(report: dict[str, Any], name: str) -> str:
+    """"; tau ... the field's way" where the report has it (reports of this version)."""
+    tau = report.get("tau_field_by_method", {}).get(name)
+    return "" if tau is None else f", {tau:.2f} the field's way (accepted draft tokens + 1, per cycle)"
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     """The README's numbers table: every configuration, then what it was measured on, from this one report."""
     env, cfg = report.get("environment", {}), report.get("config", {})
@@ -210,6 +223,9 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"over the {report.get('drafted_cycle_share', 0):.0%} of cycles that drafted; greedy outputs identical to "
             f"plain at the same precision: {report.get('identical', 0):.0%}."
         )
+    for name, tau in report.get("tau_field_by_method", {}).items():  # reports of this version only
+        lines.append(f"`{name}`: tau {tau:.2f} (accepted draft tokens + 1 per cycle, every cycle); accepted tokens "
+                     f"from {source_text(report['accepted_by_source'][name])}.")  # fmt: skip
     if "row_exact" in report:
         lines.append(f"Row-invariance probe: {report['row_exact']['description']}.")
         if "verification" in report["row_exact"]:

@@ -9,9 +9,12 @@ Configurations, each named `<method>_<precision>`:
   where the hardware has native bf16 matmul and fp32 elsewhere (`eagle3_hf.precision`);
 * optionally: transformers' prompt lookup at the speculative precision (`prompt_lookup`: 10 tokens per lookup;
   `prompt_lookup_sweep`: 3, 5 and 10, the report naming the fastest); the hybrid tree (`hybrid_tree`: the draft's
-  tree with the context lookup's continuations grafted in, `context_lookup=True`); and the model-free lookup tree
-  (`lookup_tree`: `ContextLookup`, no draft). Tree methods report how many accepted tokens came from the draft, the
-  lookup, or both.
+  tree with the context lookup's continuations grafted in, `context_lookup=True`, and the corpus's when one is given
+  or saved beside the draft); the model-free lookup tree (`lookup_tree`: `ContextLookup`, no draft); and the
+  model-free context + corpus tree (`corpus_tree`: `ContextLookup(corpus=...)`, needs a corpus). Tree methods report
+  how many accepted tokens came from the draft, the context lookup, the corpus, or several of them, and tau counted
+  both ways: over the cycles that drafted (`tau_by_method`), and the field's way, accepted draft tokens + 1 per
+  cycle over every cycle (`tau_field_by_method`), which compares with published acceptance lengths.
 
 They run in one process after a warm-up, interleaved per prompt (these machines are noisy: interleaving spreads a
 slowdown over every configuration), `--repeats` times; tokens/s are medians over the repeats. Where a greedy EAGLE-3
@@ -43,12 +46,14 @@ from eagle3_hf.bench_report import (  # noqa: F401  (re-exported: the benchmark'
 from eagle3_hf.modeling.chat_template import apply_chat_template
 from eagle3_hf.precision import short_name
 
-METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree")
+METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
+           "corpus_tree")  # fmt: skip
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 PLAIN_DTYPES = (torch.float32, torch.bfloat16)
 PROMPT_LOOKUP_SWEEP = (3, 5, 10)  # prompt_lookup_num_tokens tried by `prompt_lookup_sweep`
 DRAFT_METHODS = ("eagle3_chain", "eagle3_tree", "hybrid_tree")  # the methods that need a draft
-TREE_METHODS = (*DRAFT_METHODS, "lookup_tree")  # the methods decoded by our tree loop (they report cycles)
+TREE_METHODS = (*DRAFT_METHODS, "lookup_tree", "corpus_tree")  # decoded by our tree loop (they report cycles)
+SOURCES = ("draft", "context", "corpus", "several")  # where accepted tokens came from (hybrid.SOURCE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ class ConfigResult:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    sources: list[int] = field(default_factory=lambda: [0, 0, 0])  # accepted tokens from (draft, lookup, both)
+    sources: list[int] = field(default_factory=lambda: [0] * len(SOURCES))  # accepted tokens by source, as SOURCES
 
     @property
     def rates(self) -> list[float]:
@@ -162,13 +167,15 @@ def run_benchmark(
     repeats: int = 1,
     warmup_tokens: int = 16,
     lookup_kwargs: dict[str, Any] | None = None,
+    corpus: Any = None,
 ) -> dict[str, Any]:
     """Measure every configuration on every prompt (interleaved), `repeats` times; return the report dict.
 
     `targets` maps each precision to the target loaded in it, `drafts` each speculative precision to the draft bound
     to that target. The fp32 target, when given, also scores where greedy outputs diverge. `lookup_kwargs` go to the
     lookup tree (`tree_depth`, `tree_total_tokens`, `lookup_branches` of `ContextLookup`) and, as `lookup_depth` /
-    `lookup_branches`, to the hybrid tree.
+    `lookup_branches`, to the hybrid tree. `corpus` (a `CorpusIndex` or its file): the corpus of `corpus_tree`, used
+    by `hybrid_tree` too (without one, `hybrid_tree` uses the draft's own corpus file, if it has one).
     """
     from eagle3_hf.generation.decoding import ContextLookup
 
@@ -178,6 +185,8 @@ def run_benchmark(
         str(c.dtype) for c in configs if c.method in DRAFT_METHODS and c.dtype not in drafts})  # fmt: skip
     if missing:
         raise ValueError(f"No target or draft given for precision(s) {missing} that the configurations need.")
+    if corpus is None and any(c.method == "corpus_tree" for c in configs):
+        raise ValueError("corpus_tree needs a corpus: pass corpus= (a CorpusIndex or a file of `eagle3-hf corpus`).")
     tree_kwargs = dict(tree_kwargs or {})
     sample = temperature > 0
     common: dict[str, Any] = {"do_sample": sample}
@@ -185,18 +194,20 @@ def run_benchmark(
         common.update(temperature=temperature, top_k=0)
     eagle = next((c for c in configs if c.method in DRAFT_METHODS), None)
     depth = tree_kwargs.get("tree_depth", drafts[eagle.dtype].config.tree_depth) if eagle else 0
-    # the draft-only methods name `context_lookup=False`, since generate() grafts the lookup in by default
+    # the draft-only methods name `context_lookup=False` and `corpus=False`, since generate() grafts the lookup in by
+    # default, and the corpus a draft's folder holds
     chain_kwargs = {k: v for k, v in tree_kwargs.items() if k not in ("tree_top_k", "tree_total_tokens")}
-    chain_kwargs["context_lookup"] = False
+    chain_kwargs.update(context_lookup=False, corpus=False)  # the draft alone
     lookup_kwargs = dict(lookup_kwargs or {})
     hybrid_kwargs = dict(tree_kwargs, context_lookup=True, **{
         k: v for k, v in (("lookup_depth", lookup_kwargs.get("tree_depth")),
-                          ("lookup_branches", lookup_kwargs.get("lookup_branches"))) if v is not None})  # fmt: skip
+                          ("lookup_branches", lookup_kwargs.get("lookup_branches"))) if v is not None},
+                         **({} if corpus is None else {"corpus": corpus}))  # fmt: skip
     # the lookup tree is sized by its own options; it shares the verification options with the draft trees
     lookup_tree_kwargs = {k: v for k, v in tree_kwargs.items() if k in ("adaptive_tree", "exact_verify")}
     lookup_tree_kwargs.update(lookup_kwargs)
-    wants_lookup = any(c.method == "lookup_tree" for c in configs)
-    lookups = {d: ContextLookup().bind(t) for d, t in targets.items()} if wants_lookup else {}
+    lookups = {(m, d): ContextLookup(corpus=corpus if m == "corpus_tree" else None).bind(t)
+               for d, t in targets.items() for m in ("lookup_tree", "corpus_tree")}  # fmt: skip
 
     def call(config: BenchConfig, ids: torch.Tensor, max_new: int) -> Any:
         target, draft = targets[config.dtype], drafts.get(config.dtype)
@@ -207,16 +218,16 @@ def run_benchmark(
             return target.generate(ids, prompt_lookup_num_tokens=config.lookup_tokens or 10, **kwargs)
         if config.method == "hybrid_tree":
             return target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **hybrid_kwargs, **kwargs)
-        if config.method == "lookup_tree":
-            return target.generate(ids, assistant_model=lookups[config.dtype], return_dict_in_generate=True,
-                                   **lookup_tree_kwargs, **kwargs)  # fmt: skip
+        if config.method in ("lookup_tree", "corpus_tree"):
+            return target.generate(ids, assistant_model=lookups[config.method, config.dtype],
+                                   return_dict_in_generate=True, **lookup_tree_kwargs, **kwargs)  # fmt: skip
         if config.method == "eagle3_chain":  # a fixed-depth chain: every cycle drafts `depth` tokens (the paper's n-alpha)
             return target.generate(
                 ids, assistant_model=draft, return_dict_in_generate=True, tree_top_k=1,
                 tree_total_tokens=depth + 1, **dict(chain_kwargs, adaptive_tree=False), **kwargs,
             )  # fmt: skip
         return target.generate(ids, assistant_model=draft, return_dict_in_generate=True,
-                               **dict(tree_kwargs, context_lookup=False), **kwargs)  # fmt: skip
+                               **dict(tree_kwargs, context_lookup=False, corpus=False), **kwargs)  # fmt: skip
 
     results = {c.name: ConfigResult() for c in configs}
     with torch.no_grad():
@@ -247,8 +258,9 @@ def run_benchmark(
                         r.prefill_s += out.prefill_time
                         r.draft_s += out.draft_time
                         r.verify_s += out.verify_time
-                        r.sources = [r.sources[0] + out.accepted_from_draft, r.sources[1] + out.accepted_from_lookup,
-                                     r.sources[2] + out.accepted_from_both]  # fmt: skip
+                        found = (out.accepted_from_draft, out.accepted_from_lookup, out.accepted_from_corpus,
+                                 out.accepted_from_both)  # fmt: skip
+                        r.sources = [a + b for a, b in zip(r.sources, found)]
         report = _report(results, configs, prompts, depth)
         if not sample:
             _add_divergences(report, results, configs, prompts, targets)
@@ -283,14 +295,20 @@ def _report(results: dict[str, ConfigResult], configs: list[BenchConfig], prompt
             n: sum(results[n].accept_lengths) / len(results[n].accept_lengths) if results[n].accept_lengths else 0.0
             for n in trees
         }
-        report["accepted_by_source"] = {n: dict(zip(("draft", "lookup", "both"), results[n].sources)) for n in trees}
+        report["accepted_by_source"] = {n: dict(zip(SOURCES, results[n].sources)) for n in trees}
+        # the field's tau: accepted draft tokens + 1 per cycle, over every cycle (plain steps count 1)
+        report["tau_field_by_method"] = {
+            n: (sum(results[n].sources) + results[n].cycles) / results[n].cycles if results[n].cycles else 0.0
+            for n in trees
+        }
     lookups = [c.name for c in configs if c.method == "prompt_lookup"]
     if lookups:
         best_lookup = max(lookups, key=lambda n: results[n].tokens_per_s)
         report["best_prompt_lookup"] = best_lookup
-        if "lookup_tree" in by_method and results[best_lookup].tokens_per_s:
-            ours = results[by_method["lookup_tree"].name].tokens_per_s
-            report["lookup_tree_vs_best_prompt_lookup"] = ours / results[best_lookup].tokens_per_s
+        for method in ("lookup_tree", "corpus_tree"):
+            if method in by_method and results[best_lookup].tokens_per_s:
+                ours = results[by_method[method].name].tokens_per_s
+                report[f"{method}_vs_best_prompt_lookup"] = ours / results[best_lookup].tokens_per_s
     if plain:
         fastest = max(plain, key=lambda n: results[n].tokens_per_s)
         best = results[fastest].tokens_per_s

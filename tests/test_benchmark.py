@@ -147,7 +147,7 @@ def test_lookup_methods_report_their_sources_and_the_best_prompt_lookup():
     assert report["lookup_tree_vs_best_prompt_lookup"] == pytest.approx(ours / best)
     sources = report["accepted_by_source"]
     assert set(sources) == {"hybrid_tree_fp32", "lookup_tree_fp32"}
-    assert sources["lookup_tree_fp32"]["draft"] == sources["lookup_tree_fp32"]["both"] == 0
+    assert sources["lookup_tree_fp32"]["draft"] == sources["lookup_tree_fp32"]["several"] == 0
     assert set(report["tau_by_method"]) == set(sources)
     assert "fastest prompt lookup" in format_table(report)
     # the lookup tree needs no draft

@@ -85,6 +85,9 @@ _NO_TORCH = ("import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1
     (["generate", "--draft", "randon"], ["or 'random', 'lookup'", "did you mean 'random'?"]),
     (["generate", "--repeats", "0"], ["--repeats must be >= 1, got 0"]),
     (["generate", "--repeat-tokens", "-2"], ["--repeat-tokens must be >= 1, got -2"]),
+    (["generate", "--corpus", "no/corpus.safetensors"], ["--corpus 'no/corpus.safetensors': no such file"]),
+    (["generate", "--corpus", "c.safetensors", "--no-corpus"], ["--corpus FILE and --no-corpus contradict"]),
+    (["bench", "--methods", "plain,corpus_tree"], ["--methods corpus_tree needs --corpus FILE"]),
 ])  # fmt: skip
 def test_mistakes_are_answered_before_torch_loads(argv, fragments):
     done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=60)

@@ -222,3 +222,39 @@ def test_growth_inside_generate_stays_exact(cases):
         assert [o.sequences.tolist() for o in outs] == [r.tolist() for r in references]
     assert sum(corpus_accepted(o) for o in outs) > 0
 
+
+# ------------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_corpus_tree_and_sources_by_method(cases, tmp_path):
+    from eagle3_hf.benchmark import bench_configs, format_markdown, format_table, run_benchmark
+
+    target, draft, prompts, _, corpus = cases("llama")
+    corpus.save(tmp_path / "corpus.safetensors")
+    methods = ("plain", "prompt_lookup", "eagle3_tree", "hybrid_tree", "lookup_tree", "corpus_tree")
+    configs = bench_configs(torch.float32, methods, (torch.float32,))
+    report = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts[:2], configs, max_new_tokens=NEW,
+                           tree_kwargs={"adaptive_tree": False}, corpus=str(tmp_path / "corpus.safetensors"))  # fmt: skip
+    trees = ["eagle3_tree_fp32", "hybrid_tree_fp32", "lookup_tree_fp32", "corpus_tree_fp32"]
+    assert all(report[f"identical_{m}"] == 1.0 for m in ("hybrid_tree", "lookup_tree", "corpus_tree"))
+    assert report["identical"] == 1.0
+    sources = report["accepted_by_source"]
+    assert set(sources) == set(trees) and all(list(sources[n]) == ["draft", "context", "corpus", "several"] for n in trees)
+    assert sources["eagle3_tree_fp32"]["context"] == sources["eagle3_tree_fp32"]["corpus"] == 0  # the draft alone
+    assert sources["lookup_tree_fp32"]["corpus"] == 0 and sources["lookup_tree_fp32"]["draft"] == 0
+    assert sources["corpus_tree_fp32"]["draft"] == 0 and sources["corpus_tree_fp32"]["corpus"] > 0
+    assert sources["hybrid_tree_fp32"]["corpus"] + sources["hybrid_tree_fp32"]["several"] > 0
+    # the field's tau: accepted draft tokens + 1 per cycle, over every cycle; each cycle adds at most that (its
+    # accepted tokens and a bonus; the last one may be cut) after the prefill's one token per prompt
+    for name in trees:
+        cycles = round(report["tokens"][name] / report["time_per_cycle_ms"][name]["tokens_per_cycle"])
+        tau = report["tau_field_by_method"][name]
+        assert tau == pytest.approx((sum(sources[name].values()) + cycles) / cycles)
+        assert 1 <= tau and (report["tokens"][name] - 2) / cycles <= tau + 1e-9
+    assert "corpus_tree_vs_best_prompt_lookup" in report and "corpus tree" in format_table(report)
+    table, markdown = format_table(report), format_markdown(report)
+    assert "hybrid_tree_fp32: accepted tokens from the draft" in table and "the field's way" in table
+    assert f"`corpus_tree_fp32`: tau {report['tau_field_by_method']['corpus_tree_fp32']:.2f}" in markdown
+    with pytest.raises(ValueError, match="corpus_tree needs a corpus"):
+        run_benchmark({torch.float32: target}, {}, prompts[:1], bench_configs(torch.float32, ("corpus_tree",)))

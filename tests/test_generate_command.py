@@ -94,6 +94,31 @@ def test_the_lookup_tree_and_the_hybrid_tree_from_the_command_line(chat_target, 
             assert "the context lookup" not in summary
 
 
+def test_the_corpus_from_the_command_line(chat_target, capsys, tmp_path):
+    """--corpus FILE adds the corpus (here: the target's own answer to the prompt, twice) to the lookup tree; the
+    output stays the target's and the corpus's tokens are accepted; --no-corpus reads none."""
+    from eagle3_hf.generation.corpus_index import CorpusIndex
+
+    folder, _ = chat_target
+    prompt = "count to ten"
+    base = ["generate", "--target", str(folder), "--prompt", prompt, "--max-new-tokens", "12", "--threads", "1",
+            "--dtype", "float32", "--repeats", "1", "--repeat-tokens", "2", "--draft", "lookup"]  # fmt: skip
+    expected = _expected_answer(folder, prompt, 12)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    answer = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+    answer = answer[0, ids.shape[1] :].tolist()
+    CorpusIndex.build([answer, answer], vocab_size=target.config.vocab_size).save(tmp_path / "corpus.safetensors")
+    assert cli_main([*base, "--corpus", str(tmp_path / "corpus.safetensors")]) == 0
+    streamed, summary = _report(capsys.readouterr().out, "lookup tree")
+    assert streamed.strip() == expected.strip() and "identical output" in summary
+    assert int(re.search(r"the corpus (\d+), several (\d+)", summary).group(1)) > 0
+    assert cli_main([*base, "--no-corpus"]) == 0
+    assert "the corpus 0, several 0" in _report(capsys.readouterr().out, "lookup tree")[1]
+
+
 def test_no_compare_times_eagle3_alone(chat_target, capsys):
     folder, _ = chat_target
     assert cli_main(["generate", "--target", str(folder), "--draft", "random", "--prompt", "hi", "--max-new-tokens",

@@ -10,7 +10,8 @@ from eagle3_hf.commands import add_thinking_argument
 from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
 
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
-METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree")
+METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
+           "corpus_tree")  # fmt: skip
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 
 
@@ -39,6 +40,9 @@ def add_cli_arguments(parser: Any) -> None:
                         help="continuations per cycle (hybrid_tree, lookup_tree; default 4)")  # fmt: skip
     parser.add_argument("--lookup-total-tokens", type=int, default=None,
                         help="lookup_tree size, root included (default 16)")  # fmt: skip
+    parser.add_argument("--corpus", default=None, metavar="FILE",
+                        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers: corpus_tree's, and "
+                             "hybrid_tree's too (default: the draft's own corpus.safetensors, if its folder has one)")
     add_exact_verify_argument(parser)
     add_thinking_argument(parser)
     parser.add_argument("--batch-size", default=None,
@@ -80,6 +84,10 @@ def _check_options(args: Any) -> tuple[str, ...]:
             raise ValueError(f"--batch-size takes comma-separated sizes >= 1 (e.g. 1,4,8), got {args.batch_size!r}.")
         if args.plot or args.model_card:
             raise ValueError("--plot and --model-card describe the batch-1 benchmark; drop them with --batch-size.")
+    if "corpus_tree" in methods and not args.corpus:
+        raise ValueError("--methods corpus_tree needs --corpus FILE (a corpus index written by `eagle3-hf corpus`).")
+    if args.corpus and not os.path.isfile(args.corpus):
+        raise ValueError(f"--corpus {args.corpus!r}: no such file (expected a corpus index of `eagle3-hf corpus`).")
     if args.lookup_total_tokens is not None and args.lookup_total_tokens < 2:
         raise ValueError(f"--lookup-total-tokens must be >= 2 (the root and one node), got {args.lookup_total_tokens}.")
     if args.plot:
@@ -171,7 +179,7 @@ def run_cli(args: Any) -> int:
         return _run_batched(args, targets, drafts[spec_dtype], spec_dtype, prompts, tree_kwargs)
     report = run_benchmark(
         targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats,
-        lookup_kwargs=lookup_kwargs,
+        lookup_kwargs=lookup_kwargs, corpus=args.corpus,
     )
     if any(c.method in TREE_METHODS for c in configs):
         report["row_exact"] = row_exact_report(targets[spec_dtype], exact_verify=exact_verify_setting(args))
@@ -184,7 +192,8 @@ def run_cli(args: Any) -> int:
         "repeats": args.repeats, "temperature": args.temperature, "enable_thinking": args.enable_thinking,
         **tree_kwargs,
         **{k: v for k, v in (("lookup_depth", args.lookup_depth), ("lookup_branches", args.lookup_branches),
-                             ("lookup_total_tokens", args.lookup_total_tokens)) if v is not None},
+                             ("lookup_total_tokens", args.lookup_total_tokens), ("corpus", args.corpus))
+           if v is not None},
     }  # fmt: skip
     report["environment"] = environment()
     print(format_table(report))

@@ -45,6 +45,10 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
                         help="graft the context lookup's continuations into the draft's tree (the hybrid tree, the "
                              "default); --no-context-lookup: the draft's tree alone")  # fmt: skip
+    parser.add_argument("--corpus", default=None, metavar="FILE",
+                        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers, one more lookup source "
+                             "(default: the draft's own corpus.safetensors, if its folder has one)")  # fmt: skip
+    parser.add_argument("--no-corpus", action="store_true", help="no corpus, not even the draft's own")
     parser.add_argument("--prompt", default=None, help="the prompt (default: the built-in ones, a list and code)")
     parser.add_argument("--max-new-tokens", type=int, default=128,
                         help="most new tokens of the streamed answer (an answer cut there is said to be)")
@@ -72,6 +76,10 @@ def _check_options(args: Any) -> None:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
     check_draft_option(args.target, args.draft)
+    if args.corpus is not None and args.no_corpus:
+        raise ValueError("--corpus FILE and --no-corpus contradict each other: pass one.")
+    if args.corpus is not None and not os.path.isfile(args.corpus):
+        raise ValueError(f"--corpus {args.corpus!r}: no such file (expected a corpus index of `eagle3-hf corpus`).")
 
 
 def _loading_line(args: Any) -> str:
@@ -157,6 +165,8 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     from eagle3_hf.precision import exact_verify_setting
 
     eagle_kwargs = dict(kwargs, exact_verify=exact_verify_setting(args), context_lookup=args.context_lookup)
+    if args.corpus is not None or args.no_corpus:  # else the draft's own corpus file, if it has one
+        eagle_kwargs["corpus"] = False if args.no_corpus else args.corpus
     method = "lookup tree" if args.draft == LOOKUP_DRAFT else "EAGLE-3"  # with the context lookup (default) or without
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # prints as tokens are accepted
     out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, streamer=streamer, **eagle_kwargs)
@@ -169,9 +179,9 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     print(f"\n{method}: {new.numel()} tokens; tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted "
           f"({len(drafted) / max(cycles, 1):.0%})")  # fmt: skip
     print(f"verification: {out.verification} ({out.verification_reason})")
-    if out.accepted_from_lookup or out.accepted_from_both:
+    if out.accepted_from_lookup or out.accepted_from_corpus or out.accepted_from_both:
         print(f"accepted tokens from the draft {out.accepted_from_draft}, the context lookup "
-              f"{out.accepted_from_lookup}, both {out.accepted_from_both}")  # fmt: skip
+              f"{out.accepted_from_lookup}, the corpus {out.accepted_from_corpus}, several {out.accepted_from_both}")
     if not args.no_compare:  # plain's whole answer, to compare; its first call is also plain's warm-up
         plain_new = type(target).generate(target, ids, **kwargs)[0, ids.shape[1] :]
         agreement = _agreement(plain_new, new, args, dtype, out.verification_reason)
