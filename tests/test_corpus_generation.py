@@ -167,8 +167,9 @@ def test_sampling_with_corpus_proposals_follows_the_target_law(models, setting):
     # the corpus: the target's own sampled answers to this prompt (its end kept, so that they match), which the
     # corpus continues with the most frequent of them -- its nodes are in every first cycle
     tail = REPEATING[0, -4:].tolist()
-    answers = [tail + target.generate(REPEATING, attention_mask=torch.ones_like(REPEATING), do_sample=True, top_k=0,
-                                      max_new_tokens=4)[0, REPEATING.shape[1] :].tolist() for _ in range(200)]  # fmt: skip
+    mask = torch.ones_like(REPEATING)
+    answers = [tail + target.generate(REPEATING, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=4)[
+        0, REPEATING.shape[1] :].tolist() for _ in range(200)]  # fmt: skip
     corpus = CorpusIndex.build(answers, vocab_size=SV)
     mixed = dict(TREES["tree"], context_lookup=False, corpus=corpus, lookup_confidence=1.0)
     outputs = check_law(target, draft, REPEATING, SETTINGS[setting], mixed, f"corpus/{setting}")
@@ -234,13 +235,15 @@ def test_bench_corpus_tree_and_sources_by_method(cases, tmp_path):
     corpus.save(tmp_path / "corpus.safetensors")
     methods = ("plain", "prompt_lookup", "eagle3_tree", "hybrid_tree", "lookup_tree", "corpus_tree")
     configs = bench_configs(torch.float32, methods, (torch.float32,))
-    report = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts[:2], configs, max_new_tokens=NEW,
-                           tree_kwargs={"adaptive_tree": False}, corpus=str(tmp_path / "corpus.safetensors"))  # fmt: skip
+    report = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts[:2], configs,
+                           max_new_tokens=NEW, tree_kwargs={"adaptive_tree": False},
+                           corpus=str(tmp_path / "corpus.safetensors"))  # fmt: skip
     trees = ["eagle3_tree_fp32", "hybrid_tree_fp32", "lookup_tree_fp32", "corpus_tree_fp32"]
     assert all(report[f"identical_{m}"] == 1.0 for m in ("hybrid_tree", "lookup_tree", "corpus_tree"))
     assert report["identical"] == 1.0
     sources = report["accepted_by_source"]
-    assert set(sources) == set(trees) and all(list(sources[n]) == ["draft", "context", "corpus", "several"] for n in trees)
+    assert set(sources) == set(trees)
+    assert all(list(sources[n]) == ["draft", "context", "corpus", "several"] for n in trees)
     assert sources["eagle3_tree_fp32"]["context"] == sources["eagle3_tree_fp32"]["corpus"] == 0  # the draft alone
     assert sources["lookup_tree_fp32"]["corpus"] == 0 and sources["lookup_tree_fp32"]["draft"] == 0
     assert sources["corpus_tree_fp32"]["draft"] == 0 and sources["corpus_tree_fp32"]["corpus"] > 0

@@ -46,8 +46,8 @@ def add_cli_arguments(parser: Any) -> None:
                         help="graft the context lookup's continuations into the draft's tree (the hybrid tree, the "
                              "default); --no-context-lookup: the draft's tree alone")  # fmt: skip
     parser.add_argument("--corpus", default=None, metavar="FILE",
-                        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers, one more lookup source "
-                             "(default: the draft's own corpus.safetensors, if its folder has one)")  # fmt: skip
+                        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers, one more lookup "
+                             "source (default: the draft's own corpus.safetensors, if its folder has one)")  # fmt: skip
     parser.add_argument("--no-corpus", action="store_true", help="no corpus, not even the draft's own")
     parser.add_argument("--prompt", default=None, help="the prompt (default: the built-in ones, a list and code)")
     parser.add_argument("--max-new-tokens", type=int, default=128,

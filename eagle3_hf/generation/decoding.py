@@ -87,7 +87,7 @@ class Eagle3GenerateOutput(GenerateDecoderOnlyOutput):
     verify_time: float | None = None
     prefill_time: float | None = None
     tree_sizes: list[int] | None = None
-    accept_sources: list[tuple[int, int, int]] | None = None
+    accept_sources: list[tuple[int, int, int, int]] | None = None
     accepted_from_draft: int | None = None
     accepted_from_lookup: int | None = None
     accepted_from_corpus: int | None = None

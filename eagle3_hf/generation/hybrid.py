@@ -181,9 +181,11 @@ def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
         node = child_of.get((parent, token))
         if node is None:
             node = child_of[(parent, token)] = trie.num_nodes
-            for values, value in ((trie.tokens, token), (trie.parents, parent), (trie.counts, 0), (trie.match, 0),
-                                  (out.cond, 0.0), (out.sources, 0), (out.match, 0), (out.corpus_match, 0)):  # fmt: skip
-                values.append(value)
+            trie.tokens.append(token)
+            trie.parents.append(parent)
+            out.cond.append(0.0)
+            for values in (trie.counts, trie.match, out.sources, out.match, out.corpus_match):
+                values.append(0)
         out.cond[node] = max(out.cond[node], second.cond[i])
         out.sources[node] |= second.sources[i]
         out.match[node] = max(out.match[node], second.match[i])
@@ -329,8 +331,9 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
     )
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
-    return SampledGraft(tree=merged, point_mass=point_mass, draws=draws, sources=sources, match=match,
-                        corpus_match=corpus_match)
+    return SampledGraft(
+        tree=merged, point_mass=point_mass, draws=draws, sources=sources, match=match, corpus_match=corpus_match
+    )
 
 
 def best_lookup_nodes(trie: LookupTrie, cond: list[float], limit: int, min_estimate: float = 0.05) -> list[int]:
