@@ -20,7 +20,7 @@ from test_sampling import V as SV
 from eagle3_hf import ContextLookup, Eagle3DraftModel
 from eagle3_hf.generation.context_index import build_trie
 from eagle3_hf.generation.corpus_index import CORPUS_FILE, CorpusIndex
-from eagle3_hf.generation.corpus_source import GrowingCorpus, open_corpus
+from eagle3_hf.generation.corpus_source import CorpusSource, GrowingCorpus, open_corpus
 from eagle3_hf.generation.hybrid import (
     CORPUS,
     LOOKUP,
@@ -154,6 +154,23 @@ def test_merged_candidates_keep_each_sources_match_and_the_larger_estimate():
     assert tree.tokens.tolist() == [9, 1, 6] and sources == [0, LOOKUP | CORPUS, CORPUS]  # the corpus's 0.81 wins
     assert corpus_match == [0, 5, 6] and match == [0, 3, 0]
     assert source_counts([0, 1, 2, 4, 3, 6], [0, 1, 2, 3, 4, 5], 5) == (1, 1, 1, 2)
+
+
+def test_the_corpus_hit_rates_are_learnt_from_its_own_nodes(cases, monkeypatch):
+    source = open_corpus(CorpusIndex.build([[1, 2, 3, 4]] * 2, vocab_size=V), V, depth=4)
+    found = source.propose(torch.tensor([9, 1, 2]))
+    tree, _, match, corpus_match = candidates_tree(2, found, torch.device("cpu"), total_tokens=8)
+    assert tree.tokens.tolist() == [2, 3, 4] and match == [0, 0, 0] and corpus_match == [0, 2, 3]
+    prior = source.stats.rate(2)
+    for _ in range(20):  # the corpus's first token rejected every time: only it was a trial (its parent accepted)
+        source.observe(tree.parents.tolist(), corpus_match, [0])
+    assert source.stats.rate(2) < prior / 2 and sum(source.stats.trials) == 20
+    # inside generate(), every cycle tells the corpus what became of its nodes
+    seen = []
+    monkeypatch.setattr(CorpusSource, "observe", lambda self, parents, corpus_match, path: seen.append(corpus_match))
+    target, draft, prompts, _, corpus = cases("llama")
+    eagle(target, draft, prompts[2], max_new_tokens=NEW, corpus=corpus, adaptive_tree=False)
+    assert seen and any(any(m > 0 for m in corpus_match) for corpus_match in seen)
 
 
 # ------------------------------------------------------------------------------------------------
