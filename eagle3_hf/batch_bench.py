@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eagle3_hf.precision import short_name
+from eagle3_hf.utils.precision import short_name
 
 __all__ = ["format_batch_table", "left_padded_batches", "run_batch_benchmark"]
 

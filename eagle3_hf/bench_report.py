@@ -13,7 +13,7 @@ import torch
 
 from eagle3_hf.generation.verify_choice import cpu_name
 from eagle3_hf.model_card import format_rates
-from eagle3_hf.precision import NATIVE_BF16_FLAGS, cpu_flags
+from eagle3_hf.utils.precision import NATIVE_BF16_FLAGS, cpu_flags
 
 __all__ = [
     "NEAR_TIE_ULPS", "acceptance_by_depth", "cycle_breakdown", "divergence", "environment", "format_markdown",

@@ -6,7 +6,7 @@ Configurations, each named `<method>_<precision>`:
   steps can be faster in fp32 while wide forwards are much cheaper in bf16), and a speedup only counts against
   the faster one;
 * EAGLE-3 chain (fixed depth) and tree (cost-model sized) at the speculative precision: `--dtype auto` picks bf16
-  where the hardware has native bf16 matmul and fp32 elsewhere (`eagle3_hf.precision`);
+  where the hardware has native bf16 matmul and fp32 elsewhere (`eagle3_hf.utils.precision`);
 * optionally: transformers' prompt lookup at the speculative precision (`prompt_lookup`: 10 tokens per lookup;
   `prompt_lookup_sweep`: 3, 5 and 10, the report naming the fastest); the hybrid tree (`hybrid_tree`: the draft's
   tree with the context lookup's continuations grafted in, `context_lookup=True`, and the corpus's when one is given
@@ -44,7 +44,7 @@ from eagle3_hf.bench_report import (  # noqa: F401  (re-exported: the benchmark'
     plot_acceptance,
 )
 from eagle3_hf.modeling.chat_template import apply_chat_template
-from eagle3_hf.precision import short_name
+from eagle3_hf.utils.precision import short_name
 
 METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
            "corpus_tree")  # fmt: skip
@@ -72,7 +72,7 @@ class BenchConfig:
 
 def plain_dtypes_for(device: str | torch.device, native_bf16: bool) -> tuple[torch.dtype, ...]:
     """The precisions plain decoding is benchmarked in: fp32 and bf16 (`PLAIN_DTYPES`), but fp32 alone on a CPU
-    without native bf16 matmul (`native_bf16`: `eagle3_hf.precision.has_native_bf16_matmul()`), where bf16 runs
+    without native bf16 matmul (`native_bf16`: `eagle3_hf.utils.precision.has_native_bf16_matmul()`), where bf16 runs
     emulated, an order of magnitude slower than fp32: such a run would take most of the benchmark's time and could
     never be the fastest plain configuration."""
     if torch.device(device).type == "cpu" and not native_bf16:

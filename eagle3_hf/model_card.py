@@ -13,7 +13,7 @@ from typing import Any
 from huggingface_hub import ModelCard
 
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
-from eagle3_hf.outputs import staged_file
+from eagle3_hf.utils.outputs import staged_file
 
 __all__ = ["EVALUATION_NAME", "bench_card", "format_evaluation_table", "format_rates", "write_bench_card"]
 

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from eagle3_hf.modeling.identity import is_hub_id
-from eagle3_hf.outputs import staged_dir
 from eagle3_hf.target_names import SHORT_NAME_HUB_IDS, SMOLLM2, resolve_target
 from eagle3_hf.training.tokenise import tokenise_data
+from eagle3_hf.utils.outputs import staged_dir
 
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.
 _CACHE_MARKER = "eagle3_hf_cache.json"

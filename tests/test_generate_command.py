@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.precision import resolve_dtype, short_name
+from eagle3_hf.utils.precision import resolve_dtype, short_name
 
 
 def _expected_answer(folder, prompt: str, max_new_tokens: int) -> str:

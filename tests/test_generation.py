@@ -41,7 +41,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from conftest import HALF_DTYPES
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
-from eagle3_hf.modeling._compat import CACHE_KWARG
+from eagle3_hf.utils.compat import CACHE_KWARG
 from eagle3_hf.generation.decoding import Eagle3GenerateOutput
 from eagle3_hf.generation.node_scores import NodeScores
 from eagle3_hf.hub import load_draft_for

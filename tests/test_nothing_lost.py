@@ -11,7 +11,7 @@ import torch
 from test_cli import assert_clean_error, run, tiny, train  # noqa: F401 (tiny is a fixture)
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.outputs import staged_dir, staged_file
+from eagle3_hf.utils.outputs import staged_dir, staged_file
 
 torch.set_num_threads(1)
 

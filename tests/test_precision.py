@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from eagle3_hf.modeling.packed_linear import PackedLinear, can_prepack, prepack_linears
-from eagle3_hf.precision import (
+from eagle3_hf.utils.precision import (
     cpu_flags, default_threads, emulated_bf16_warning, has_native_bf16_matmul, resolve_dtype, short_name,
 )  # fmt: skip
 

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from eagle3_hf.commands import add_thinking_argument
-from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
+from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
 
 # The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
 METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
@@ -61,7 +61,7 @@ def add_cli_arguments(parser: Any) -> None:
 
 def _check_options(args: Any) -> tuple[str, ...]:
     """Everything that can be checked before a model is loaded; returns the methods."""
-    from eagle3_hf.outputs import check_output_file
+    from eagle3_hf.utils.outputs import check_output_file
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in METHODS]
@@ -139,9 +139,9 @@ def run_cli(args: Any) -> int:
     )
     from eagle3_hf.hub import default_prompts_path
     from eagle3_hf.model_card import write_bench_card
-    from eagle3_hf.outputs import staged_file
-    from eagle3_hf.precision import default_threads, has_native_bf16_matmul, resolve_dtype, short_name
     from eagle3_hf.targets import check_device, load_tokenizer, resolve_target
+    from eagle3_hf.utils.outputs import staged_file
+    from eagle3_hf.utils.precision import default_threads, has_native_bf16_matmul, resolve_dtype, short_name
 
     check_device(args.device)
     resolve_target(args.target)  # a bad name or path fails here, at once
@@ -221,8 +221,8 @@ def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts:
     """`--batch-size`: the batched benchmark (`eagle3_hf.batch_bench`), its table printed and written."""
     from eagle3_hf.batch_bench import format_batch_table, run_batch_benchmark
     from eagle3_hf.benchmark import environment
-    from eagle3_hf.outputs import staged_file
     from eagle3_hf.targets import load_tokenizer
+    from eagle3_hf.utils.outputs import staged_file
 
     tokenizer = load_tokenizer(args.target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

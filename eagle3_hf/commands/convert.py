@@ -79,7 +79,7 @@ def _recorded(name: str) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from eagle3_hf.outputs import check_output_dir, staged_dir
+    from eagle3_hf.utils.outputs import check_output_dir, staged_dir
 
     check_output_dir(args.dst, args.overwrite_output_dir, "DST", source=args.src)
     _check_names(args)

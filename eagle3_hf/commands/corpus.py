@@ -42,7 +42,7 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     """Refuse what is wrong before torch loads; return the evaluation prompt files to read."""
     from eagle3_hf.hub import default_prompts_path
     from eagle3_hf.modeling.identity import is_hub_id
-    from eagle3_hf.outputs import check_output_file
+    from eagle3_hf.utils.outputs import check_output_file
 
     if args.depth < 1:
         raise ValueError(f"--depth must be >= 1, got {args.depth}.")
@@ -64,10 +64,10 @@ def run_cli(args: argparse.Namespace) -> int:
     import time
 
     from eagle3_hf.generation.corpus_index import CorpusIndex
-    from eagle3_hf.outputs import staged_file
     from eagle3_hf.targets import load_tokenizer, target_hub_id
     from eagle3_hf.training.corpus import corpus_documents
     from eagle3_hf.training.prompt_selection import read_evaluation_prompts
+    from eagle3_hf.utils.outputs import staged_file
 
     prompts = read_evaluation_prompts(prompt_files) if prompt_files else set()
     if not prompt_files:

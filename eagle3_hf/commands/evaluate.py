@@ -44,17 +44,17 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from eagle3_hf.outputs import check_output_file, staged_file
+    from eagle3_hf.utils.outputs import check_output_file, staged_file
 
     if args.json:
         check_output_file(args.json, args.overwrite_output_dir, "--json")
     import torch
 
     from eagle3_hf.hub import load_draft_for, shipped_draft_path
-    from eagle3_hf.precision import emulated_bf16_warning
     from eagle3_hf.targets import load_target, load_tokenised_data
     from eagle3_hf.training.evaluation import evaluate_draft
     from eagle3_hf.training.split import split_filter
+    from eagle3_hf.utils.precision import emulated_bf16_warning
 
     try:
         select = split_filter(args.split, args.held_out_fraction)

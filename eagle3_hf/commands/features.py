@@ -44,7 +44,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-length must be >= 3 (the draft predicts tokens two ahead), got {args.max_length}.")
     import torch
 
-    from eagle3_hf.precision import emulated_bf16_warning
+    from eagle3_hf.utils.precision import emulated_bf16_warning
     from eagle3_hf.targets import check_device, load_target, load_tokenised_data
     from eagle3_hf.training.features import precompute_features
     from eagle3_hf.training.distributed import check_device_map, init_distributed_from_launcher, process_device

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from eagle3_hf.commands import add_thinking_argument
+from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments
 from eagle3_hf.hub import LOOKUP_DRAFT, RANDOM_DRAFT, SHIPPED_DRAFTS, check_draft_option
-from eagle3_hf.precision import add_exact_verify_argument, add_precision_arguments
 
 # Answers a draft predicts well, a list and a piece of code, whose next token mostly follows from what came before:
 # with the shipped SmolLM2 draft nearly every cycle drafts on these. Open-ended prose (the former default asked why
@@ -110,7 +110,7 @@ def busy_warning(threads: int, load: float | None = None) -> str | None:
 
 
 def run_cli(args: Any) -> int:
-    from eagle3_hf.precision import default_threads
+    from eagle3_hf.utils.precision import default_threads
 
     _check_options(args)
     print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
@@ -119,8 +119,8 @@ def run_cli(args: Any) -> int:
     from eagle3_hf.hub import load_draft_for
     from eagle3_hf.modeling.chat_template import apply_chat_template
     from eagle3_hf.modeling.packed_linear import prepack_linears
-    from eagle3_hf.precision import resolve_dtype, short_name
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
+    from eagle3_hf.utils.precision import resolve_dtype, short_name
 
     check_device(args.device)
     threads = args.threads or default_threads()
@@ -162,7 +162,7 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     """Stream EAGLE-3's answer and say what it did (tau, drafted share, against plain), then time both methods."""
     from transformers import TextStreamer
 
-    from eagle3_hf.precision import exact_verify_setting
+    from eagle3_hf.commands.options import exact_verify_setting
 
     eagle_kwargs = dict(kwargs, exact_verify=exact_verify_setting(args), context_lookup=args.context_lookup)
     if args.corpus is not None or args.no_corpus:  # else the draft's own corpus file, if it has one
@@ -252,7 +252,7 @@ def _agreement(plain_new: Any, new: Any, args: Any, dtype: Any, verification_rea
     import torch
 
     from eagle3_hf.generation.verify_choice import PROVEN
-    from eagle3_hf.precision import short_name
+    from eagle3_hf.utils.precision import short_name
 
     if torch.equal(plain_new, new):
         return "identical output"

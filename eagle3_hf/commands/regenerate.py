@@ -42,10 +42,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     import torch
 
-    from eagle3_hf.precision import emulated_bf16_warning
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
     from eagle3_hf.training.manifest import check_manifest
     from eagle3_hf.training.prompt_selection import dedupe_prompts, exclude_prompts, read_evaluation_prompts
+    from eagle3_hf.utils.precision import emulated_bf16_warning
     from eagle3_hf.training.regenerate import (
         MANIFEST_NAME, data_fingerprint, regenerate_manifest, regenerate_responses, select_conversations,
     )  # fmt: skip

@@ -307,7 +307,7 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
     from transformers.trainer_utils import set_seed
 
-    from eagle3_hf.precision import emulated_bf16_warning
+    from eagle3_hf.utils.precision import emulated_bf16_warning
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.data_files import is_dataset_id
     from eagle3_hf.training.distributed import check_fsdp_loading, init_distributed_from_launcher

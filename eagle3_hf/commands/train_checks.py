@@ -49,7 +49,7 @@ def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
 
 def check_train_arguments(args: argparse.Namespace) -> None:
     """Every check that needs no model and no data: bad input fails in a second, before anything is written."""
-    from eagle3_hf.outputs import check_output_dir
+    from eagle3_hf.utils.outputs import check_output_dir
 
     if (args.data is None) == (args.features is None):
         raise ValueError("Give exactly one of --data (conversations, online features) or --features (offline).")

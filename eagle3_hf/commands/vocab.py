@@ -53,7 +53,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from eagle3_hf.outputs import check_output_file, staged_file
+    from eagle3_hf.utils.outputs import check_output_file, staged_file
 
     check_output_file(args.output, args.overwrite_output_dir, "--output")
     from transformers import AutoConfig

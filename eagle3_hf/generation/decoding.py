@@ -47,9 +47,9 @@ from eagle3_hf.generation.hybrid import LookupOptions, source_totals
 from eagle3_hf.generation.proposers import build_proposer
 from eagle3_hf.generation.target_cache import editable_cache
 from eagle3_hf.generation.verify_choice import check_exact_verify, choose_verification
-from eagle3_hf.modeling._compat import generate_output_cache_field
 from eagle3_hf.modeling.embedding import embeddings_match, stored_embedding, whole_tensor
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
+from eagle3_hf.utils.compat import generate_output_cache_field
 
 
 # Per-call tree options, also read from a GenerationConfig (GenerationConfig(tree_depth=4) keeps unknown fields).

@@ -41,8 +41,8 @@ from eagle3_hf.generation.proposers import Proposal, Proposer, RowTree, root_onl
 from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
 from eagle3_hf.generation.tree import DraftTree, children_lists, read_on_host
 from eagle3_hf.generation.verification import AcceptResult, greedy_walk, sample_accept
-from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.modeling_eagle3 import select_target_features
+from eagle3_hf.utils.compat import cache_kwargs
 
 __all__ = ["CycleRecord", "DecodeRun", "decode", "prune_tree"]
 

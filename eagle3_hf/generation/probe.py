@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.target_cache import target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask
-from eagle3_hf.modeling._compat import cache_kwargs
+from eagle3_hf.utils.compat import cache_kwargs
 
 __all__ = ["DEFAULT_PROBE_TREE", "ProbeResult", "probe_row_exactness"]
 

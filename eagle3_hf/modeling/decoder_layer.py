@@ -21,9 +21,9 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 from eagle3_hf.modeling.families import get_family
+from eagle3_hf.utils.compat import cache_kwargs
 
 __all__ = ["DraftAttention", "Eagle3DecoderLayer"]
 

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from eagle3_hf.modeling.atomic import apply_umask
+from eagle3_hf.utils.atomic import apply_umask
 from eagle3_hf.modeling.checkpoints import load_draft
 from eagle3_hf.modeling.embedding import set_embedding, stored_embedding, target_embedding
 from eagle3_hf.modeling.families import get_family

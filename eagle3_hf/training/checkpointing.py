@@ -21,7 +21,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from eagle3_hf.modeling.atomic import replace_path
+from eagle3_hf.utils.atomic import replace_path
 
 __all__ = [
     "STAGING_NAME", "RemoveCheckpointsOnTrainBegin", "WholeCheckpoints", "find_resume_checkpoint",

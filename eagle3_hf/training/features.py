@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from eagle3_hf.modeling.atomic import replace_path
+from eagle3_hf.utils.atomic import replace_path
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
 from eagle3_hf.training.distributed import barrier, distributed_rank

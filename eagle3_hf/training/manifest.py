@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from eagle3_hf.modeling.atomic import replace_path
+from eagle3_hf.utils.atomic import replace_path
 
 __all__ = ["check_manifest", "write_manifest"]
 

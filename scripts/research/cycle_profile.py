@@ -43,9 +43,9 @@ from eagle3_hf.generation.target_cache import crop_cache
 from eagle3_hf.generation.target_cache import target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
 from eagle3_hf.hub import default_prompts_path, load_draft_for
-from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.utils.compat import cache_kwargs
 
 # (module, attribute, section): what the clocks wrap for a run
 WRAPPED = [

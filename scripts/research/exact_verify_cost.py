@@ -19,10 +19,10 @@ from transformers import DynamicCache
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.target_cache import crop_cache, target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask
-from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
-from eagle3_hf.precision import DTYPE_CHOICES, resolve_dtype
 from eagle3_hf.targets import load_target
+from eagle3_hf.utils.compat import cache_kwargs
+from eagle3_hf.utils.precision import DTYPE_CHOICES, resolve_dtype
 
 
 def tree_of(nodes: int, width: int) -> list[int]:

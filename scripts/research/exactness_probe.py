@@ -13,8 +13,8 @@ import torch
 
 from eagle3_hf.generation.probe import probe_row_exactness
 from eagle3_hf.modeling.packed_linear import prepack_linears
-from eagle3_hf.precision import DTYPE_CHOICES, resolve_dtype
 from eagle3_hf.targets import load_target
+from eagle3_hf.utils.precision import DTYPE_CHOICES, resolve_dtype
 
 
 def main() -> None:

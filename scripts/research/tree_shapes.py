@@ -20,8 +20,8 @@ import torch
 from eagle3_hf.benchmark import read_prompts
 from eagle3_hf.hub import default_prompts_path, load_draft_for
 from eagle3_hf.modeling.packed_linear import prepack_linears
-from eagle3_hf.precision import DTYPE_CHOICES, default_threads, resolve_dtype, short_name
 from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.utils.precision import DTYPE_CHOICES, default_threads, resolve_dtype, short_name
 
 
 def _shape(text: str) -> dict:

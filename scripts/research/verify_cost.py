@@ -15,10 +15,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from eagle3_hf.modeling._compat import cache_kwargs
 from eagle3_hf.modeling.packed_linear import prepack_linears
-from eagle3_hf.precision import DTYPE_CHOICES, resolve_dtype
 from eagle3_hf.targets import load_target
+from eagle3_hf.utils.compat import cache_kwargs
+from eagle3_hf.utils.precision import DTYPE_CHOICES, resolve_dtype
 
 
 def main() -> None:

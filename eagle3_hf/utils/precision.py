@@ -9,14 +9,20 @@ where the hardware has it and fp32 elsewhere; every command lets the user overri
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI's --help must not pay for it
     import torch
 
 __all__ = [
-    "DTYPE_CHOICES", "NATIVE_BF16_FLAGS", "add_exact_verify_argument", "add_precision_arguments", "cpu_flags",
-    "default_threads", "emulated_bf16_warning", "exact_verify_setting", "has_native_bf16_matmul", "resolve_dtype", "short_name",
+    "DTYPE_CHOICES",
+    "NATIVE_BF16_FLAGS",
+    "cpu_flags",
+    "default_threads",
+    "emulated_bf16_warning",
+    "has_native_bf16_matmul",
+    "resolve_dtype",
+    "short_name",
 ]
 
 # CPU feature flags (Linux /proc/cpuinfo names) that give native bf16 matmul.
@@ -95,30 +101,3 @@ def default_threads() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
-
-
-def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
-    """The `--dtype`, `--no-prepack` and `--threads` options that the decoding commands share."""
-    parser.add_argument(
-        "--dtype", default="auto", choices=DTYPE_CHOICES,
-        help=f"precision of {what}; auto: bf16 where the hardware has native bf16 matmul, else fp32",
-    )  # fmt: skip
-    parser.add_argument("--no-prepack", action="store_true", help="keep bf16 CPU weights unpacked (see PackedLinear)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-
-
-def add_exact_verify_argument(parser: Any) -> None:
-    """`--exact-verify {auto,on,off}` (and its old spelling `--no-exact-verify`), shared by `generate` and `bench`."""
-    parser.add_argument(
-        "--exact-verify", choices=("auto", "on", "off"), default="auto",
-        help="row-exact tree verification (bf16 output token-identical to plain decoding where the hardware's "
-        "kernels allow it): auto runs it where the row-invariance probe proves it bit for bit on this CPU and verifies "
-        "in one tree-masked call elsewhere; on / off force it (default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument("--no-exact-verify", dest="exact_verify", action="store_const", const="off",
-                        help="the same as --exact-verify off")  # fmt: skip
-
-
-def exact_verify_setting(args: Any) -> bool | str:
-    """The `exact_verify` value for `generate()` from the parsed `--exact-verify` option."""
-    return {"auto": "auto", "on": True, "off": False}[args.exact_verify]

@@ -13,7 +13,7 @@ import os
 import shutil
 from collections.abc import Iterator
 
-from eagle3_hf.modeling.atomic import replace_path, temporary_sibling
+from eagle3_hf.utils.atomic import replace_path, temporary_sibling
 
 __all__ = ["check_output_dir", "check_output_file", "staged_dir", "staged_file"]
 
