@@ -1,4 +1,5 @@
-"""The package layout: imports flow down, from the top level to `generation`/`training` to `modeling`, never back.
+"""The package layout: imports flow down, `cli` > `commands` > `bench` > the top-level modules > `generation` /
+`training` > `modeling` > `utils`, never back.
 
 Every module under `eagle3_hf/` is read with `ast` (imports inside functions and relative imports included), so a
 lazy import that reaches up counts as much as one at the top of a file.
@@ -13,7 +14,7 @@ import pytest
 
 PACKAGE = "eagle3_hf"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-LAYERS = ("modeling", "generation", "training")
+LAYERS = ("utils", "modeling", "generation", "training", "commands")
 MAX_LINES = 420  # "about 400"
 
 
@@ -83,21 +84,30 @@ def import_graph(runtime_only: bool = False) -> dict[str, set[str]]:
 
 
 def layer(module: str) -> str:
-    """`modeling`, `generation`, `training`, the package root `__init__`, or `top` for everything else."""
+    """A subpackage of `LAYERS`, `cli`, the package root `__init__` (`root`), or `top` for the other top-level
+    modules (target loading, draft names)."""
     parts = module.split(".")
     if len(parts) == 1:
         return "root"
+    if parts[1] == "cli":
+        return "cli"
     return parts[1] if parts[1] in LAYERS else "top"
 
 
-# Which layers each layer may import (besides itself). The package root (`eagle3_hf/__init__.py`) re-exports the
-# model and imports generation so that `bind` is registered; so only the top level may import the root.
+# Which layers each layer may import (besides itself): `utils` < `modeling` < `generation`, `training` (beside each
+# other) < the top-level modules < `bench` < `commands` < `cli`. The package root (`eagle3_hf/__init__.py`) re-exports
+# the model and imports generation so that `bind` is registered; so only the layers above it may import the root.
+_BELOW_TOP = {"utils", "modeling", "generation", "training"}
 ALLOWED = {
-    "modeling": set(),
-    "generation": {"modeling"},
-    "training": {"modeling"},
-    "top": {"modeling", "generation", "training", "root"},
-    "root": {"modeling", "generation"},
+    "utils": set(),
+    "modeling": {"utils"},
+    "generation": {"utils", "modeling"},
+    "training": {"utils", "modeling"},
+    "root": {"utils", "modeling", "generation"},
+    "top": _BELOW_TOP | {"root"},
+    "bench": _BELOW_TOP | {"root", "top"},
+    "commands": _BELOW_TOP | {"root", "top", "bench"},
+    "cli": _BELOW_TOP | {"root", "top", "bench", "commands"},
 }
 
 
@@ -152,6 +162,7 @@ def test_the_graph_sees_every_module_and_lazy_imports():
     assert "eagle3_hf.generation.engine" in graph["eagle3_hf.generation.proposers"]
     assert "eagle3_hf.generation.engine" not in import_graph(runtime_only=True)["eagle3_hf.generation.proposers"]
     assert {f"{PACKAGE}.{name}" for name in LAYERS} <= set(graph)
+    assert {layer(module) for module in graph} == {*LAYERS, "top", "root", "cli"}
     assert "eagle3_hf.modeling.modeling_eagle3" in graph["eagle3_hf.generation.decoding"]
     # Imports inside functions count (the bench command loads targets and drafts lazily).
     assert "eagle3_hf.targets" in graph["eagle3_hf.commands.bench"]
@@ -173,6 +184,10 @@ def test_no_import_cycles():
     [
         ("eagle3_hf.modeling.modeling_eagle3", "eagle3_hf.generation.decoding"),
         ("eagle3_hf.modeling.checkpoints", "eagle3_hf.targets"),
+        ("eagle3_hf.utils.atomic", "eagle3_hf.modeling.checkpoints"),
+        ("eagle3_hf.utils.precision", "eagle3_hf.generation.decoding"),
+        ("eagle3_hf.targets", "eagle3_hf.commands.generate"),
+        ("eagle3_hf.commands.generate", "eagle3_hf.cli"),
         ("eagle3_hf.generation.decoding", "eagle3_hf.training.trainer"),
         ("eagle3_hf.training.features", "eagle3_hf.generation.tree"),
         ("eagle3_hf.training.features", "eagle3_hf.targets"),
@@ -183,6 +198,21 @@ def test_an_upward_edge_is_reported_by_name(edge):
     graph = import_graph()
     graph[edge[0]] = graph[edge[0]] | {edge[1]}
     assert any(line.startswith(f"{edge[0]} -> {edge[1]} ") for line in upward_edges(graph))
+
+
+@pytest.mark.parametrize(
+    "edge",
+    [
+        ("eagle3_hf.modeling.checkpoints", "eagle3_hf.utils.atomic"),
+        ("eagle3_hf.training.features", "eagle3_hf.utils.precision"),
+        ("eagle3_hf.commands.generate", "eagle3_hf.targets"),
+        ("eagle3_hf.cli", "eagle3_hf.commands.generate"),
+    ],
+)
+def test_a_downward_edge_is_allowed(edge):
+    graph = import_graph()
+    graph[edge[0]] = graph[edge[0]] | {edge[1]}
+    assert not [line for line in upward_edges(graph) if line.startswith(f"{edge[0]} -> {edge[1]} ")]
 
 
 def test_a_cycle_is_reported():
