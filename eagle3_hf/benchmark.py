@@ -381,7 +381,7 @@ def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype], ne
                 ) -> tuple[dict, dict, bool]:  # fmt: skip
     """The target in every precision needed (loaded once, copied and cast), the draft bound to the speculative one
     (none unless `need_draft`), and whether bf16 CPU weights were prepacked."""
-    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.draft_names import load_draft_for
     from eagle3_hf.modeling.packed_linear import prepack_linears
     from eagle3_hf.targets import cast_weights, load_target
 

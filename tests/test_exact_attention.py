@@ -213,7 +213,8 @@ def test_one_tree_masked_call_is_not_exact_in_bf16(bf16_case):
 def smollm2_bf16():
     """SmolLM2 in bf16 with prepacked weights, loaded once for both cases of the test below (the probe too)."""
     from eagle3_hf.modeling.packed_linear import prepack_linears
-    from eagle3_hf.targets import SMOLLM2, load_target
+    from eagle3_hf.modeling.shipped import SMOLLM2
+    from eagle3_hf.targets import load_target
 
     target = load_target(SMOLLM2, dtype=torch.bfloat16)
     prepack_linears(target)
@@ -230,8 +231,9 @@ def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, smollm2_bf16, exp
     elsewhere (an AMD EPYC without AMX rounds SmolLM2's `mlp.down_proj` over 16 rows differently from one row)."""
     from transformers import AutoTokenizer
 
-    from eagle3_hf.hub import load_draft_for
-    from eagle3_hf.targets import SMOLLM2, load_target
+    from eagle3_hf.draft_names import load_draft_for
+    from eagle3_hf.modeling.shipped import SMOLLM2
+    from eagle3_hf.targets import load_target
     from test_generation import mt_bench_questions
 
     target = smollm2_bf16

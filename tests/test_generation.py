@@ -44,8 +44,9 @@ from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
 from eagle3_hf.utils.compat import CACHE_KWARG
 from eagle3_hf.generation.decoding import Eagle3GenerateOutput
 from eagle3_hf.generation.node_scores import NodeScores
-from eagle3_hf.hub import load_draft_for
-from eagle3_hf.targets import SMOLLM2, load_target
+from eagle3_hf.draft_names import load_draft_for
+from eagle3_hf.modeling.shipped import SMOLLM2
+from eagle3_hf.targets import load_target
 from eagle3_hf.generation.tree import DraftTree
 
 V = 16  # small vocabulary: a random draft's candidates then often contain the target's choice

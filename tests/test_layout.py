@@ -191,7 +191,7 @@ def test_no_import_cycles():
         ("eagle3_hf.generation.decoding", "eagle3_hf.training.trainer"),
         ("eagle3_hf.training.features", "eagle3_hf.generation.tree"),
         ("eagle3_hf.training.features", "eagle3_hf.targets"),
-        ("eagle3_hf.generation.drafting", "eagle3_hf.hub"),
+        ("eagle3_hf.generation.drafting", "eagle3_hf.draft_names"),
     ],
 )
 def test_an_upward_edge_is_reported_by_name(edge):

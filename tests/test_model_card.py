@@ -121,7 +121,7 @@ def test_trainer_writes_our_card_not_the_stock_one(draft, tmp_path):
 
 
 def test_model_cards_holds_each_shipped_drafts_card_as_the_package_ships_it():
-    from eagle3_hf.hub import SHIPPED_DRAFTS
+    from eagle3_hf.modeling.shipped import SHIPPED_DRAFTS
 
     folder, shipped = ROOT / "model_cards", ROOT / "eagle3_hf" / "drafts"
     drafts = sorted(SHIPPED_DRAFTS.values())

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import targets
-from eagle3_hf.targets import SMOLLM2, cached_plain_copy, load_target, load_tokenizer, resolve_target
+from eagle3_hf.modeling.shipped import SMOLLM2
+from eagle3_hf.targets import cached_plain_copy, load_target, load_tokenizer, resolve_target
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

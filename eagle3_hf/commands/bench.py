@@ -137,8 +137,8 @@ def run_cli(args: Any) -> int:
         row_exact_report,
         run_benchmark,
     )
-    from eagle3_hf.hub import default_prompts_path
     from eagle3_hf.model_card import write_bench_card
+    from eagle3_hf.modeling.shipped import default_prompts_path
     from eagle3_hf.targets import check_device, load_tokenizer, resolve_target
     from eagle3_hf.utils.outputs import staged_file
     from eagle3_hf.utils.precision import default_threads, has_native_bf16_matmul, resolve_dtype, short_name

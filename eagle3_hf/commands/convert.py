@@ -51,7 +51,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_names(args: argparse.Namespace) -> None:
     """Refuse a bad --target-id / --verifier-path before anything loads."""
-    from eagle3_hf.modeling.identity import is_hub_id
+    from eagle3_hf.utils.hub import is_hub_id
 
     if args.target_id is not None and not is_hub_id(args.target_id):
         raise ValueError(
@@ -70,7 +70,7 @@ def _check_names(args: argparse.Namespace) -> None:
 
 def _recorded(name: str) -> str:
     """How the verifier a speculators export records will be found."""
-    from eagle3_hf.modeling.identity import is_hub_id
+    from eagle3_hf.utils.hub import is_hub_id
 
     if is_hub_id(name):
         return (f"Recorded the verifier as the Hub id {name!r}: speculators fetches it from the Hub (to load it "

@@ -40,8 +40,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> list[str]:
     """Refuse what is wrong before torch loads; return the evaluation prompt files to read."""
-    from eagle3_hf.hub import default_prompts_path
-    from eagle3_hf.modeling.identity import is_hub_id
+    from eagle3_hf.modeling.shipped import default_prompts_path
+    from eagle3_hf.utils.hub import is_hub_id
     from eagle3_hf.utils.outputs import check_output_file
 
     if args.depth < 1:

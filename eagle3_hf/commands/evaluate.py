@@ -50,7 +50,8 @@ def run_cli(args: argparse.Namespace) -> int:
         check_output_file(args.json, args.overwrite_output_dir, "--json")
     import torch
 
-    from eagle3_hf.hub import load_draft_for, shipped_draft_path
+    from eagle3_hf.draft_names import load_draft_for
+    from eagle3_hf.modeling.shipped import shipped_draft_path
     from eagle3_hf.targets import load_target, load_tokenised_data
     from eagle3_hf.training.evaluation import evaluate_draft
     from eagle3_hf.training.split import split_filter

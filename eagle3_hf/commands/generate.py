@@ -20,7 +20,8 @@ from typing import Any
 
 from eagle3_hf.commands import add_thinking_argument
 from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments
-from eagle3_hf.hub import LOOKUP_DRAFT, RANDOM_DRAFT, SHIPPED_DRAFTS, check_draft_option
+from eagle3_hf.draft_names import LOOKUP_DRAFT, RANDOM_DRAFT, check_draft_option
+from eagle3_hf.modeling.shipped import SHIPPED_DRAFTS
 
 # Answers a draft predicts well, a list and a piece of code, whose next token mostly follows from what came before:
 # with the shipped SmolLM2 draft nearly every cycle drafts on these. Open-ended prose (the former default asked why
@@ -116,7 +117,7 @@ def run_cli(args: Any) -> int:
     print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
     import torch
 
-    from eagle3_hf.hub import load_draft_for
+    from eagle3_hf.draft_names import load_draft_for
     from eagle3_hf.modeling.chat_template import apply_chat_template
     from eagle3_hf.modeling.packed_linear import prepack_linears
     from eagle3_hf.targets import check_device, load_target, load_tokenizer

@@ -15,7 +15,7 @@ import math
 import os
 
 from eagle3_hf.commands import is_main_process, say
-from eagle3_hf.modeling.identity import is_hub_id
+from eagle3_hf.utils.hub import is_hub_id
 
 __all__ = [
     "ARCHITECTURE_FLAGS", "SHAPE_OPTIONS", "check_train_arguments", "parse_layer_ids", "read_checkpoint_config",

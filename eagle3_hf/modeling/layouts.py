@@ -34,7 +34,8 @@ from eagle3_hf.modeling.eagle_layout import (  # noqa: F401  (eagle_config_kwarg
     eagle_export_problems,
 )
 from eagle3_hf.modeling.embedding import resolve_include_embedding, stored_embedding
-from eagle3_hf.modeling.identity import is_hub_id, target_identity  # noqa: F401  (is_hub_id: re-exported)
+from eagle3_hf.utils.hub import is_hub_id  # noqa: F401  (is_hub_id: re-exported)
+from eagle3_hf.modeling.identity import target_identity
 from eagle3_hf.modeling.layer_keys import from_numbered, to_numbered
 from eagle3_hf.modeling.layout_fields import NORM_PAIR, check_tap_count, common_fields, layer_fields, three_taps
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from eagle3_hf.modeling.identity import is_hub_id
+from eagle3_hf.utils.hub import is_hub_id
 
 LIBRARY_NAME = "eagle3_hf"
 TAGS = ["eagle3", "speculative-decoding", "draft-model"]

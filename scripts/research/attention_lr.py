@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from eagle3_hf.hub import load_draft_for
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.targets import load_target, load_tokenised_data
 from eagle3_hf.training.split import split_filter
 from eagle3_hf.training.trainer import Eagle3DataCollator

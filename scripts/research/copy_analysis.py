@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from eagle3_hf.hub import load_draft_for
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.modeling.masks import causal_mask
 from eagle3_hf.targets import load_target, load_tokenised_data
 from eagle3_hf.training.split import split_filter

@@ -31,7 +31,7 @@ import time
 
 from eagle3_hf.generation.context_index import ContextIndex, LookupTrie
 from eagle3_hf.generation.corpus_index import CorpusIndex, CorpusOptions
-from eagle3_hf.hub import default_prompts_path
+from eagle3_hf.modeling.shipped import default_prompts_path
 from eagle3_hf.targets import load_tokenizer
 from eagle3_hf.training.corpus import corpus_documents
 from eagle3_hf.training.data import build_dataset, read_conversations

@@ -36,14 +36,15 @@ import torch
 from transformers import DynamicCache
 
 from eagle3_hf.benchmark import read_prompts
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation import drafting, engine, exact_attention, proposers
 from eagle3_hf.generation.engine import CycleRecord
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.target_cache import crop_cache
 from eagle3_hf.generation.target_cache import target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
-from eagle3_hf.hub import default_prompts_path, load_draft_for
 from eagle3_hf.modeling.packed_linear import prepack_linears
+from eagle3_hf.modeling.shipped import default_prompts_path
 from eagle3_hf.targets import load_target, load_tokenizer
 from eagle3_hf.utils.compat import cache_kwargs
 

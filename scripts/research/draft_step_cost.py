@@ -25,9 +25,9 @@ import time
 import torch
 from transformers import DynamicCache
 
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation.draft_step import draft_forward
 from eagle3_hf.generation.drafting import DraftState, TreeBudget, build_greedy_trees, catch_up
-from eagle3_hf.hub import load_draft_for
 from eagle3_hf.modeling.modeling_eagle3 import additive_mask, select_target_features
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.targets import cast_weights, load_target

@@ -28,7 +28,7 @@ import re
 
 import torch
 
-from eagle3_hf.hub import load_draft_for
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.targets import load_target, load_tokenised_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter

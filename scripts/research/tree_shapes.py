@@ -18,8 +18,9 @@ import time
 import torch
 
 from eagle3_hf.benchmark import read_prompts
-from eagle3_hf.hub import default_prompts_path, load_draft_for
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.modeling.packed_linear import prepack_linears
+from eagle3_hf.modeling.shipped import default_prompts_path
 from eagle3_hf.targets import load_target, load_tokenizer
 from eagle3_hf.utils.precision import DTYPE_CHOICES, default_threads, resolve_dtype, short_name
 
