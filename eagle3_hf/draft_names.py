@@ -1,4 +1,5 @@
-"""Where shipped drafts and default prompts live, and how a target name finds its draft.
+"""Which draft a `--draft` value names, and how a target name finds its draft: a folder, a shipped draft's name, a
+Hub id, the draft shipped for the target (`modeling.shipped`), a fresh random one, or the model-free lookup.
 
 Nothing here imports torch at module level: the command line checks a `--draft` value with `check_draft_option`
 before any model loads.

