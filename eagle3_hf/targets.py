@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from eagle3_hf.modeling.shipped import SHORT_NAME_HUB_IDS, SMOLLM2
 from eagle3_hf.target_names import resolve_target
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.utils.hub import is_hub_id
 from eagle3_hf.utils.outputs import staged_dir
 
@@ -32,7 +31,6 @@ __all__ = [
     "check_device",
     "load_target",
     "load_target_and_tokenizer",
-    "load_tokenised_data",
     "load_tokenizer",
     "resolve_target",
     "target_hub_id",
@@ -214,21 +212,3 @@ def cached_plain_copy(name_or_path: str, cache_dir: str | os.PathLike, include_m
         with open(os.path.join(staging, _CACHE_MARKER), "w", encoding="utf-8") as f:
             json.dump({"source": str(name_or_path), "include_model": include_model}, f)
     return cache_dir
-
-
-def load_tokenised_data(
-    target_name: str,
-    data: str | list[str],
-    max_length: int,
-    max_conversations: int | None = None,
-    select: Any = None,
-    num_proc: int | None = None,
-    enable_thinking: bool | None = None,
-) -> tuple[PreTrainedTokenizerBase, Any, Any]:
-    """The target's tokenizer and `tokenise_data`'s (dataset, DataStats) for `data`: (tokenizer, dataset, stats).
-
-    `select(conversation) -> bool` keeps only some conversations (e.g. `eagle3_hf.training.split.split_filter`);
-    `num_proc` processes tokenise them (default: this one); `enable_thinking` is the template's thinking switch."""
-    tokenizer = load_tokenizer(target_name)
-    dataset, stats = tokenise_data(tokenizer, data, max_length, max_conversations, select, num_proc, enable_thinking)
-    return tokenizer, dataset, stats

@@ -52,15 +52,17 @@ def run_cli(args: argparse.Namespace) -> int:
 
     from eagle3_hf.draft_names import load_draft_for
     from eagle3_hf.modeling.shipped import shipped_draft_path
-    from eagle3_hf.targets import load_target, load_tokenised_data
+    from eagle3_hf.targets import load_target, load_tokenizer
+    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.training.evaluation import evaluate_draft
     from eagle3_hf.training.split import split_filter
     from eagle3_hf.utils.precision import emulated_bf16_warning
 
     try:
         select = split_filter(args.split, args.held_out_fraction)
-        _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select,
-                                            enable_thinking=args.enable_thinking)  # fmt: skip
+        tokenizer = load_tokenizer(args.target)
+        dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations, select,
+                                   enable_thinking=args.enable_thinking)  # fmt: skip
         if warning := emulated_bf16_warning(args.dtype, args.device):
             say(f"Warning: {warning}")
         dtype = getattr(torch, args.dtype)

@@ -45,7 +45,8 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
 
     from eagle3_hf.utils.precision import emulated_bf16_warning
-    from eagle3_hf.targets import check_device, load_target, load_tokenised_data
+    from eagle3_hf.targets import check_device, load_target, load_tokenizer
+    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.training.features import precompute_features
     from eagle3_hf.training.distributed import check_device_map, init_distributed_from_launcher, process_device
     from eagle3_hf.training.split import split_filter
@@ -62,8 +63,9 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
             ) from None
     select = split_filter(args.split, args.held_out_fraction)
-    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations, select,
-                                        enable_thinking=args.enable_thinking)  # fmt: skip
+    tokenizer = load_tokenizer(args.target)
+    dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations, select,
+                               enable_thinking=args.enable_thinking)  # fmt: skip
     init_distributed_from_launcher()  # under torchrun / accelerate launch each process writes its share of shards
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=process_device(args.device),
                          device_map=check_device_map(args.device_map))  # fmt: skip

@@ -265,7 +265,8 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
     conversations less the held-out ones. The vocabulary rows are every conversation: `select_draft_vocab` counts the
     training ones and measures coverage on the held-out ones (given the training part only, it fell back to
     training coverage)."""
-    from eagle3_hf.targets import load_tokenised_data
+    from eagle3_hf.targets import load_tokenizer
+    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
     from eagle3_hf.training.split import split_held_out
 
@@ -274,8 +275,9 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
         dataset = OfflineFeatureDataset(args.features)
         say(f"Offline features: {len(dataset)} samples from {dataset.folder}.")
         return dataset, OfflineFeatureDataset(args.eval_features) if args.eval_features else None, dataset
-    _, everything, _ = load_tokenised_data(
-        args.target, args.data, training_args.max_length, args.max_conversations, num_proc=args.tokenize_num_proc,
+    tokenizer = load_tokenizer(args.target)
+    everything, _ = tokenise_data(
+        tokenizer, args.data, training_args.max_length, args.max_conversations, num_proc=args.tokenize_num_proc,
         enable_thinking=args.enable_thinking,
     )
     dataset, held_out = split_held_out(everything, args.held_out_fraction)

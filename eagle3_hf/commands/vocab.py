@@ -58,10 +58,12 @@ def run_cli(args: argparse.Namespace) -> int:
     check_output_file(args.output, args.overwrite_output_dir, "--output")
     from transformers import AutoConfig
 
-    from eagle3_hf.targets import load_tokenised_data, resolve_target
+    from eagle3_hf.targets import load_tokenizer, resolve_target
+    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.training.vocab import save_draft_vocab, select_draft_vocab
 
-    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations,
+    tokenizer = load_tokenizer(args.target)
+    dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations,
                                       enable_thinking=args.enable_thinking)  # fmt: skip
     # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
     directory, gguf_file = resolve_target(args.target)

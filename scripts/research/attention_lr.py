@@ -41,7 +41,8 @@ import time
 import torch
 
 from eagle3_hf.draft_names import load_draft_for
-from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.split import split_filter
 from eagle3_hf.training.trainer import Eagle3DataCollator
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
@@ -115,8 +116,9 @@ def main() -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    _, train_rows, _ = load_tokenised_data(args.target, [args.data], args.max_length, None, split_filter("train"))
-    _, eval_rows, _ = load_tokenised_data(args.target, [args.eval], 1024, args.eval_conversations)
+    tokenizer = load_tokenizer(args.target)
+    train_rows, _ = tokenise_data(tokenizer, [args.data], args.max_length, None, split_filter("train"))
+    eval_rows, _ = tokenise_data(tokenizer, [args.eval], 1024, args.eval_conversations)
     train_rows, eval_rows = list(train_rows), list(eval_rows)
     target = load_target(args.target, dtype=torch.bfloat16).eval()
     draft = load_draft_for(args.target, target, args.draft).float()

@@ -41,7 +41,8 @@ import torch
 
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.modeling.masks import causal_mask
-from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.split import split_filter
 from eagle3_hf.training.trainer import Eagle3DataCollator
 from eagle3_hf.training.ttt import shift_left, step_alignment, ttt_forward
@@ -237,8 +238,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     data, _, split = args.data.partition(":")
-    _, rows, _ = load_tokenised_data(args.target, [data], args.max_length, args.max_conversations,
-                                     split_filter(split or "all"))  # fmt: skip
+    tokenizer = load_tokenizer(args.target)
+    rows, _ = tokenise_data(tokenizer, [data], args.max_length, args.max_conversations,
+                            split_filter(split or "all"))  # fmt: skip
     rows = list(rows)
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype=dtype).eval()

@@ -103,9 +103,11 @@ def main() -> int:
         parser.error(f"--depth must be >= 1 and --generate >= 0, got {args.depth} and {args.generate}.")
 
     from eagle3_hf.benchmark import load_models
-    from eagle3_hf.targets import load_tokenised_data
+    from eagle3_hf.targets import load_tokenizer
+    from eagle3_hf.training.tokenise import tokenise_data
 
-    _, rows, _ = load_tokenised_data(args.target, args.data, args.max_length)
+    tokenizer = load_tokenizer(args.target)
+    rows, _ = tokenise_data(tokenizer, args.data, args.max_length)
     options = argparse.Namespace(target=args.target, device="cpu", draft=args.draft, no_prepack=False)
     targets, drafts, _ = load_models(options, torch.bfloat16, {torch.bfloat16})
     target, draft = targets[torch.bfloat16].eval(), drafts[torch.bfloat16].eval()

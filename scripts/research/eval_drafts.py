@@ -19,7 +19,8 @@ import torch
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.model_card import format_evaluation_table
-from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter
 
@@ -39,8 +40,9 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype=dtype)
-    _, dataset, _ = load_tokenised_data(
-        args.target, args.data, args.max_length, args.max_conversations, split_filter(args.split)
+    tokenizer = load_tokenizer(args.target)
+    dataset, _ = tokenise_data(
+        tokenizer, args.data, args.max_length, args.max_conversations, split_filter(args.split)
     )
     results = {}
     for path in args.drafts:

@@ -29,7 +29,8 @@ import re
 import torch
 
 from eagle3_hf.draft_names import load_draft_for
-from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter
 
@@ -122,7 +123,8 @@ def main() -> None:
         name, _, data = spec.partition("=")
         data, _, split = data.partition(":")
         select = split_filter(split or "all")
-        _, rows, _ = load_tokenised_data(args.target, [data], args.max_length, args.max_conversations, select)
+        tokenizer = load_tokenizer(args.target)
+        rows, _ = tokenise_data(tokenizer, [data], args.max_length, args.max_conversations, select)
         sets[name] = rows
     target = load_target(args.target, dtype=dtype)
     done: list[dict] = []

@@ -37,7 +37,8 @@ import tempfile
 import torch
 
 from eagle3_hf.draft_names import load_draft_for
-from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter
 
@@ -153,8 +154,9 @@ def main() -> None:
         sets = {}
         for name, _, data in specs:
             data, _, split = data.partition(":")
-            _, rows, _ = load_tokenised_data(
-                args.target, [data], args.max_length, args.max_conversations, split_filter(split or "all")
+            tokenizer = load_tokenizer(args.target)
+            rows, _ = tokenise_data(
+                tokenizer, [data], args.max_length, args.max_conversations, split_filter(split or "all")
             )
             sets[name] = rows
         target = load_target(args.target, dtype=dtype)

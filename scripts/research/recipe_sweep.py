@@ -31,14 +31,16 @@ import time
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.targets import load_target, load_tokenised_data
+from eagle3_hf.targets import load_target, load_tokenizer
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.ttt import simulated_acceptance_length, ttt_forward
 
 TOP_K = 64  # cached target logits per token
 
 
 def build_cache(args: argparse.Namespace) -> None:
-    _, dataset, _ = load_tokenised_data(args.target, args.data, args.max_length, args.max_conversations)
+    tokenizer = load_tokenizer(args.target)
+    dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations)
     target = load_target(args.target, dtype=torch.bfloat16)
     layers = Eagle3DraftModel.from_target(target).config.resolved_target_layer_ids(target.config.num_hidden_layers)
     rows = []
