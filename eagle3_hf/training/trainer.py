@@ -53,7 +53,6 @@ __all__ = [
     "Eagle3Trainer",
     "Eagle3TrainingArguments",
     "install_draft_vocab",
-    "load_tokenised_data",
 ]
 
 
