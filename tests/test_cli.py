@@ -237,7 +237,7 @@ def test_bind_refuses_a_target_with_another_embedding(tiny):
     draft = Eagle3DraftModel.from_target(target)
     torch.manual_seed(1)
     other = LlamaForCausalLM(target.config).eval()  # the same shapes, other weights
-    with pytest.raises(ValueError, match="embedding differs from this target's"):
+    with pytest.raises(ValueError, match="embedding differs from the target's"):
         draft.bind(other)
     draft.bind(target)  # its own target still binds
 

@@ -47,8 +47,8 @@ from eagle3_hf.generation.hybrid import LookupOptions, source_totals
 from eagle3_hf.generation.proposers import build_proposer
 from eagle3_hf.generation.target_cache import editable_cache
 from eagle3_hf.generation.verify_choice import check_exact_verify, choose_verification
-from eagle3_hf.modeling.embedding import embeddings_match, stored_embedding, whole_tensor
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, register_binder
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.modeling.target_fit import register_binder
 from eagle3_hf.utils.compat import generate_output_cache_field
 
 
@@ -134,34 +134,17 @@ def _route_generate(target: PreTrainedModel) -> None:
 # binding
 
 
-@register_binder
 def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
-    """Check `draft` fits `target`, give it the target embedding if it lacks one, route generate() to EAGLE-3."""
+    """Check `draft` fits `target`, give it the target embedding if it lacks one, route generate() to EAGLE-3
+    (`draft.bind(target)`)."""
     if not isinstance(draft, Eagle3DraftModel):
         raise ValueError(f"bind_target expects an Eagle3DraftModel, got {type(draft).__name__}.")
-    draft.config.check_target_config(target.config)
-    if draft.config.target_num_hidden_layers is None:
-        draft.config.target_num_hidden_layers = target.config.get_text_config().num_hidden_layers
-    if draft.config.target_layer_ids is None:
-        draft.config.target_layer_ids = draft.config.resolved_target_layer_ids(draft.config.target_num_hidden_layers)
-    if not draft.embedding_loaded:
-        if draft.config.hidden_size != draft.config.target_hidden_size:
-            raise ValueError(
-                f"The draft has no embedding and cannot share the target's: draft hidden_size "
-                f"{draft.config.hidden_size} != target hidden size {draft.config.target_hidden_size}."
-            )
-        draft.load_target_embedding(target)
-    else:
-        theirs = whole_tensor(target.get_input_embeddings().weight)  # gathered when FSDP2 shards the target
-        if tuple(theirs.shape) == tuple(draft.embed_tokens.weight.shape) and not embeddings_match(
-            stored_embedding(draft), theirs  # in the dtype it came in: the draft may hold it upcast
-        ):
-            raise ValueError(
-                "The draft's token embedding differs from this target's (same shape, other values): it was trained "
-                "for another model, or carries a re-initialised embedding. Load it with "
-                "Eagle3DraftModel.from_pretrained(path, target=target, use_target_embedding=True) to use the "
-                "target's embedding instead."
-            )
+    draft.bind(target)
+
+
+@register_binder
+def _route_draft(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
+    """What `target_fit.route_generate` runs once the draft fits `target` (modeling checked it)."""
     _route_generate(target)
 
 
@@ -193,8 +176,6 @@ def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig
 def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
     if not isinstance(assistant_model, (Eagle3DraftModel, ContextLookup)):
         return type(target).generate(target, *args, assistant_model=assistant_model, **kwargs)
-    if isinstance(assistant_model, Eagle3DraftModel):
-        assistant_model.config.check_target_config(target.config)
     _tree_options_and_refusals(target, kwargs.get("generation_config") or (args[1] if len(args) > 1 else None), kwargs)
     # generate() hands a custom_generate callable neither the streamer nor the tokenizer (it rebuilds those
     # kwargs from the callable's signature): pass the streamer under our own name, and build the stop-string
@@ -277,7 +258,7 @@ def eagle3_decoding(
         lookup_branches = eagle3_draft.lookup_branches if lookup_branches is None else lookup_branches
     elif isinstance(eagle3_draft, Eagle3DraftModel):
         draft = eagle3_draft
-        draft.config.check_target_config(model.config)
+        draft.config.check_target_config(model.config)  # the one draft-fits-target check of a generate() call
         defaults = dict(depth=draft.config.tree_depth, top_k=draft.config.tree_top_k,
                         total=draft.config.tree_total_tokens, max_ngram=LookupOptions.max_ngram)  # fmt: skip
     else:

@@ -28,14 +28,10 @@ from eagle3_hf.modeling.checkpoint_files import (  # noqa: F401  (open_safetenso
     read_checkpoint,
     read_weights,
 )
-from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
+from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 from eagle3_hf.modeling.embedding import (  # noqa: F401  (embeddings_match, whole_tensor: re-exported)
-    embedding_mismatch,
     embeddings_match,
-    finer,
     set_embedding,
-    stored_embedding,
-    target_embedding,
     whole_tensor,
 )
 from eagle3_hf.modeling.layer_keys import check_layers_present
@@ -50,6 +46,7 @@ from eagle3_hf.modeling.layouts import (
     eagle_config_kwargs,
     speculators_config_kwargs,
 )
+from eagle3_hf.modeling.target_fit import check_target, route_generate, take_target_embedding
 
 __all__ = [
     "LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint",
@@ -171,55 +168,6 @@ def _check_state_dict(
         raise ValueError(f"{source}: invalid vocabulary mapping: {err}") from err
 
 
-def _check_target(config: Eagle3DraftConfig, target: PreTrainedModel) -> None:
-    """Check the target fits, then fill in the target facts the checkpoint did not record."""
-    text = target.config.get_text_config()
-    model_type = getattr(text, "model_type", None)
-    if model_type not in _TARGET_TO_LAYER_TYPE:
-        raise ValueError(
-            f"Unsupported target architecture model_type={model_type!r} "
-            f"({getattr(target.config, 'architectures', None)}); eagle3_hf supports targets of type "
-            f"{sorted(_TARGET_TO_LAYER_TYPE)}."
-        )
-    config.check_target_config(target.config)
-    if config.target_num_hidden_layers is None:
-        config.target_num_hidden_layers = text.num_hidden_layers
-    if config.target_layer_ids is None:
-        config.target_layer_ids = default_target_layer_ids(text.num_hidden_layers)
-    if config.target_name_or_path is None:
-        config.target_name_or_path = getattr(target.config, "_name_or_path", None) or None
-    if config.target_model_type is None:
-        config.target_model_type = model_type
-    if config.target_architectures is None:
-        config.target_architectures = getattr(target.config, "architectures", None)
-    config.validate()
-
-
-def _take_target_embedding(draft: Any, target: PreTrainedModel, source: str, replace: bool) -> None:
-    """Give the draft the target's embedding where it has none; refuse one that differs unless `replace`."""
-    config = draft.config
-    target_weight = target_embedding(target)
-    if not draft.embedding_loaded or replace:
-        if config.hidden_size != config.target_hidden_size:
-            raise ValueError(
-                f"{source}: the target's token embedding (width {config.target_hidden_size}) cannot serve a draft of "
-                f"hidden_size={config.hidden_size}; such a draft needs its own embedding in the checkpoint."
-            )
-        draft.load_target_embedding(target)
-    elif tuple(draft.embed_tokens.weight.shape) == tuple(target_weight.shape):
-        ours = stored_embedding(draft)
-        why = embedding_mismatch(ours, target_weight)
-        if why is not None:
-            raise ValueError(
-                f"{source}: the checkpoint's token embedding {why}. Pass use_target_embedding=True to use the "
-                "target's embedding instead (exports sometimes carry a re-initialised random one, which silently "
-                "ruins acceptance)."
-            )
-        if finer(target_weight.dtype, ours.dtype):
-            # A cast copy (the target's rounded to a narrower dtype): the embedding is the target's, so take its own.
-            draft.load_target_embedding(target)
-
-
 # ------------------------------------------------------------------------------------------------
 # loading
 
@@ -247,7 +195,7 @@ def load_draft(
         cls: the draft class (`Eagle3DraftModel` or a subclass).
         path_or_id: checkpoint folder or Hub repo id (`revision`, `cache_dir`, `token`, `subfolder`, ... apply).
         target: the target model. The draft is checked against it, takes its embedding when the checkpoint has
-            none, defaults to its dtype and device, and is bound to it (`draft.bind(target)`).
+            none, defaults to its dtype and device, and `target.generate` is routed to it (`route_generate`).
         use_target_embedding (`bool`): replace an embedding stored in the checkpoint by the target's; without it, a
             stored embedding that is not bit for bit the target's raises `ValueError` (one stored in a narrower dtype
             must be the target's rounded to it, and is then replaced by the target's own; see `embedding_mismatch`).
@@ -279,7 +227,7 @@ def load_draft(
     else:
         config = draft_config_from(layout, raw_config, state_dict.keys(), f"{source} ({layout} layout)", reading)
     if target is not None:
-        _check_target(config, target)
+        check_target(config, target)
         reference = target.get_input_embeddings().weight
         dtype = reference.dtype if dtype is None else dtype
         if device is None and kwargs.get("device_map") is None:
@@ -314,8 +262,8 @@ def load_draft(
     if device is not None:
         draft.to(device)
     if target is not None:
-        _take_target_embedding(draft, target, source, replace=use_target_embedding)
-        draft.bind(target)
+        take_target_embedding(draft, target, source, replace=use_target_embedding)
+        route_generate(draft, target)
     return draft
 
 

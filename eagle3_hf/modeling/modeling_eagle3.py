@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,19 +39,11 @@ from eagle3_hf.modeling.masks import additive_mask, causal_mask
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 from eagle3_hf.modeling.decoder_layer import DraftAttention, Eagle3DecoderLayer
+from eagle3_hf.modeling.target_fit import check_target, route_generate, take_target_embedding
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 
-# What `Eagle3DraftModel.bind` runs. The decoding loop lives above this package, so it registers itself here when
-# `eagle3_hf.generation` is imported (reading any public name of `eagle3_hf` does); the model never imports it.
-_BINDERS: dict[str, Callable[[Any, PreTrainedModel], None]] = {}
 # What training recorded about a draft (data, steps, command), saved next to it and shown on its model card.
 TRAINING_INFO_NAME = "training_info.json"
-
-
-def register_binder(binder: Callable[[Any, PreTrainedModel], None]) -> Callable[[Any, PreTrainedModel], None]:
-    """Make `binder(draft, target)` what `Eagle3DraftModel.bind` runs; returns it (usable as a decorator)."""
-    _BINDERS["bind"] = binder
-    return binder
 
 
 @dataclass
@@ -160,16 +151,17 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def from_target(
         cls, target: PreTrainedModel, draft_vocab_size: int | None = None, **config_overrides: Any
     ) -> Eagle3DraftModel:
-        """A freshly initialised draft for `target`: config derived from the target's, embedding copied, and bound
-        to it (so `target.generate(..., assistant_model=draft)` runs EAGLE-3)."""
+        """A freshly initialised draft for `target`: config derived from the target's (`config_overrides` checked
+        against it), embedding copied, and `target.generate(..., assistant_model=draft)` routed to EAGLE-3."""
         config = Eagle3DraftConfig.from_target_config(
             target.config, draft_vocab_size=draft_vocab_size, **config_overrides
         )
+        check_target(config, target)
         draft = cls(config)
         draft.load_target_embedding(target)
         ref = target.get_input_embeddings().weight
         draft = draft.to(device=ref.device, dtype=ref.dtype)
-        draft.bind(target)
+        route_generate(draft, target)
         return draft
 
     def load_target_embedding(self, target: PreTrainedModel) -> None:
@@ -399,12 +391,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return super().__getattr__(name)
 
     def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
-        """Check this draft against `target` and route `target.generate(..., assistant_model=self)` to EAGLE-3."""
-        binder = _BINDERS.get("bind")
-        if binder is None:
-            raise RuntimeError("No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation "
-                               "(`from eagle3_hf import Eagle3DraftModel` does).")  # fmt: skip
-        binder(self, target)
+        """Check this draft against `target` (`check_target`), take or compare its embedding, and route
+        `target.generate(..., assistant_model=self)` to EAGLE-3."""
+        check_target(self.config, target)
+        take_target_embedding(self, target, "the draft")
+        route_generate(self, target, required=True)
         return self
 
 

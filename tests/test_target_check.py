@@ -1,0 +1,72 @@
+"""The draft-fits-target check (`Eagle3DraftConfig.check_target_config`) runs once per load and once per generate()
+call, and a draft of another target fails with its one clear error wherever it meets the target."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def make_target(vocab_size: int = 96) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, vocab_size=vocab_size)).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A target and a draft for it saved as a folder (with its embedding)."""
+    target = make_target()
+    folder = tmp_path_factory.mktemp("draft")
+    Eagle3DraftModel.from_target(target).save_pretrained(folder)
+    return target, folder
+
+
+@pytest.fixture
+def checks():
+    """`check_target_config`, still checking, with its calls counted."""
+    real = Eagle3DraftConfig.check_target_config
+    with mock.patch.object(Eagle3DraftConfig, "check_target_config", autospec=True, side_effect=real) as counted:
+        yield counted
+
+
+def test_once_per_load(saved, checks):
+    target, folder = saved
+    Eagle3DraftModel.from_pretrained(folder, target=target)
+    assert checks.call_count == 1
+    checks.reset_mock()
+    Eagle3DraftModel.from_target(target)
+    assert checks.call_count == 1
+    checks.reset_mock()
+    Eagle3DraftModel.from_pretrained(folder).bind(target)
+    assert checks.call_count == 1
+
+
+def test_once_per_generate_call(saved, checks):
+    target, folder = saved
+    draft = Eagle3DraftModel.from_pretrained(folder, target=target)
+    checks.reset_mock()
+    ids = torch.randint(0, 96, (1, 5))
+    target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False, max_new_tokens=3)
+    assert checks.call_count == 1
+
+
+def test_a_draft_of_another_target_fails_once_with_the_clear_error(saved, checks):
+    _, folder = saved
+    other = make_target(vocab_size=104)
+    with pytest.raises(ValueError, match=r"built for another target: .*vocabulary size 104 \(draft expects 96\)"):
+        Eagle3DraftModel.from_pretrained(folder, target=other)
+    assert checks.call_count == 1
+    draft = Eagle3DraftModel.from_pretrained(folder)  # no target: nothing checked, nothing routed
+    ids = torch.randint(0, 96, (1, 5))
+    Eagle3DraftModel.from_target(other)  # routes `other.generate`, as loading a draft for it does
+    checks.reset_mock()
+    with pytest.raises(ValueError, match="built for another target"):
+        other.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=3)
+    assert checks.call_count == 1
