@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3_hf.bench_report import NEAR_TIE_ULPS, divergence
+from eagle3_hf.bench.report import NEAR_TIE_ULPS, divergence
 from eagle3_hf.generation.probe import ProbeResult
 from eagle3_hf.generation.verify_choice import probe_for_target
 

@@ -155,7 +155,7 @@ DOCTORED = {
     "missing, a name that two folders hold": (
         _drop("eagle3_hf/", "model_card.py"),
         [
-            "eagle3_hf/model_card.py is missing from docs/architecture.md: add '- `model_card.py`: what it holds' "
+            "eagle3_hf/bench/cards.py is missing from docs/architecture.md: add '- `model_card.py`: what it holds' "
             "under `eagle3_hf/`"
         ],
     ),

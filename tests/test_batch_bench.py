@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.batch_bench import format_batch_table, left_padded_batches, run_batch_benchmark
+from eagle3_hf.bench.batch import format_batch_table, left_padded_batches, run_batch_benchmark
 from test_benchmark import _tiny_target
 from test_cli import assert_clean_error, run
 

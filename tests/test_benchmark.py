@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.benchmark import (
+from eagle3_hf.bench.runner import (
     acceptance_by_depth,
     bench_configs,
     divergence,
@@ -18,7 +18,7 @@ from eagle3_hf.benchmark import (
     read_prompts,
     run_benchmark,
 )
-from eagle3_hf.model_card import format_rates
+from eagle3_hf.bench.cards import format_rates
 
 
 def test_acceptance_by_depth_hand_computed():
@@ -178,7 +178,7 @@ def test_a_forced_divergence_is_reported_with_the_fp32_margin():
     short = divergence(target, prompt, reference, reference[:6])
     assert short["position"] == 6 and short["other_token"] is None and short["token_gap"] is None
     # The benchmark reports each diverging run with its prompt and repeat.
-    from eagle3_hf.benchmark import ConfigResult, _add_divergences
+    from eagle3_hf.bench.runner import ConfigResult, _add_divergences
 
     results = {"plain_fp32": ConfigResult(outputs=[[reference, reference]]),
                "eagle3_tree_fp32": ConfigResult(outputs=[[reference, other]])}  # fmt: skip
@@ -191,7 +191,7 @@ def test_a_forced_divergence_is_reported_with_the_fp32_margin():
 
 
 def test_bench_command_lists_the_benchmark_methods():
-    from eagle3_hf.benchmark import DEFAULT_METHODS, METHODS
+    from eagle3_hf.bench.runner import DEFAULT_METHODS, METHODS
     from eagle3_hf.commands.bench import DEFAULT_METHODS as DEFAULTS, METHODS as CHOICES
 
     assert CHOICES == METHODS and DEFAULTS == DEFAULT_METHODS
@@ -213,7 +213,7 @@ def test_bf16_flips_happen_only_at_near_ties():
     # (exact_verify=False, as on implementations row-exact verification does not cover): wide verify forwards round
     # differently from one-token steps, so greedy EAGLE-3 output may leave plain bf16 decoding -- but only where the
     # fp32 target nearly ties. In fp32 the same run is identical to plain decoding.
-    from eagle3_hf.bench_report import NEAR_TIE_ULPS
+    from eagle3_hf.bench.report import NEAR_TIE_ULPS
     from eagle3_hf.targets import cast_weights
 
     torch.manual_seed(5)
@@ -262,8 +262,8 @@ def test_markdown_table_states_what_the_numbers_were_measured_on():
 
 
 def test_bench_reports_the_row_invariance_probe():
-    from eagle3_hf.bench_report import format_markdown
-    from eagle3_hf.benchmark import row_exact_report
+    from eagle3_hf.bench.report import format_markdown
+    from eagle3_hf.bench.runner import row_exact_report
     from test_exact_attention import bf16_target
 
     report = {"tokens_per_s": {"eagle3_tree_bf16": 1.0}, "row_exact": row_exact_report(bf16_target("llama"))}

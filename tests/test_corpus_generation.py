@@ -246,7 +246,7 @@ def test_growth_inside_generate_stays_exact(cases):
 
 
 def test_bench_corpus_tree_and_sources_by_method(cases, tmp_path):
-    from eagle3_hf.benchmark import bench_configs, format_markdown, format_table, run_benchmark
+    from eagle3_hf.bench.runner import bench_configs, format_markdown, format_table, run_benchmark
 
     target, draft, prompts, _, corpus = cases("llama")
     corpus.save(tmp_path / "corpus.safetensors")

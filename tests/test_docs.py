@@ -299,7 +299,7 @@ def test_the_readme_python_blocks_run(monkeypatch, capsys):
 
 
 def test_the_readme_results_are_the_reports_own_table():
-    from eagle3_hf.bench_report import format_markdown
+    from eagle3_hf.bench.report import format_markdown
 
     report_path = "scripts/research/results/bench_smollm2_bf16.json"  # the latest `bench --json` report
     table = format_markdown(json.loads((ROOT / report_path).read_text(encoding="utf-8")))

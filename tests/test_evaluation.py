@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from eagle3_hf.bench.cards import bench_card
 from eagle3_hf.cli import main as cli_main
-from eagle3_hf.model_card import bench_card
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import simulated_acceptance_length

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.bench_report import NEAR_TIE_ULPS, ulp
+from eagle3_hf.bench.report import NEAR_TIE_ULPS, ulp
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.utils.compat import cache_kwargs
 from exactness import EXPECTATIONS, assert_near_ties, case, expectation, probe_for, rowwise_linears

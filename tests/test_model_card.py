@@ -17,7 +17,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.model_card import bench_card, write_bench_card
+from eagle3_hf.bench.cards import bench_card, write_bench_card
 
 ROOT = pathlib.Path(__file__).parents[1]
 TARGET_ID = "tiny-org/tiny-llama"
@@ -185,7 +185,7 @@ def test_the_wheel_ships_the_draft_and_the_template(installed):
         assert done.returncode == 0 and expected in done.stdout, done.stderr
     code = (
         "import eagle3_hf, sys; assert eagle3_hf.__file__.startswith(sys.path[1]), eagle3_hf.__file__\n"
-        "from importlib import resources; from eagle3_hf.model_card import bench_card\n"
+        "from importlib import resources; from eagle3_hf.bench.cards import bench_card\n"
         "draft = resources.files('eagle3_hf').joinpath('drafts', 'smollm2-135m-instruct')\n"
         "print(bench_card(str(draft)).data.base_model)\n"
     )

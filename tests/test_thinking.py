@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_hf.benchmark import read_prompts
+from eagle3_hf.bench.runner import read_prompts
 from eagle3_hf.cli import build_subparser
 from eagle3_hf.commands.bench import draft_thinking_mismatch
 from eagle3_hf.commands.train import parse_cli, quick_help

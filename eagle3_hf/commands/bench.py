@@ -1,4 +1,4 @@
-"""`eagle3-hf bench`: EAGLE-3 against the fastest plain configuration (`eagle3_hf.benchmark`)."""
+"""`eagle3-hf bench`: EAGLE-3 against the fastest plain configuration (`eagle3_hf.bench.runner`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from eagle3_hf.commands import add_thinking_argument
 from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
 
-# The choices of --methods; `eagle3_hf.benchmark.METHODS` (checked in the tests), spelt out so --help stays light.
+# The choices of --methods; `eagle3_hf.bench.runner.METHODS` (checked in the tests), spelt out so --help stays light.
 METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
            "corpus_tree")  # fmt: skip
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
@@ -123,7 +123,7 @@ def run_cli(args: Any) -> int:
         methods = ("plain", "eagle3_tree")  # what the batched benchmark compares
     import torch
 
-    from eagle3_hf.benchmark import (
+    from eagle3_hf.bench.runner import (
         DRAFT_METHODS,
         TREE_METHODS,
         bench_configs,
@@ -137,7 +137,7 @@ def run_cli(args: Any) -> int:
         row_exact_report,
         run_benchmark,
     )
-    from eagle3_hf.model_card import write_bench_card
+    from eagle3_hf.bench.cards import write_bench_card
     from eagle3_hf.modeling.shipped import default_prompts_path
     from eagle3_hf.targets import check_device, load_tokenizer, resolve_target
     from eagle3_hf.utils.outputs import staged_file
@@ -218,9 +218,9 @@ def run_cli(args: Any) -> int:
 
 
 def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts: list, tree_kwargs: dict) -> int:
-    """`--batch-size`: the batched benchmark (`eagle3_hf.batch_bench`), its table printed and written."""
-    from eagle3_hf.batch_bench import format_batch_table, run_batch_benchmark
-    from eagle3_hf.benchmark import environment
+    """`--batch-size`: the batched benchmark (`eagle3_hf.bench.batch`), its table printed and written."""
+    from eagle3_hf.bench.batch import format_batch_table, run_batch_benchmark
+    from eagle3_hf.bench.runner import environment
     from eagle3_hf.targets import load_tokenizer
     from eagle3_hf.utils.outputs import staged_file
 

@@ -12,8 +12,8 @@ import json
 import os
 import sys
 
+from eagle3_hf.bench.cards import EVALUATION_NAME, format_evaluation_table
 from eagle3_hf.commands import add_thinking_argument, say
-from eagle3_hf.model_card import EVALUATION_NAME, format_evaluation_table
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION
 
 

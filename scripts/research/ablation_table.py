@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from eagle3_hf.model_card import format_rates
+from eagle3_hf.bench.cards import format_rates
 
 RUNS = {  # folder: (what it tests, description)
     "fused_ttt7_all": ("baseline", "fused taps, TTT 7, all data"),

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache
 
-from eagle3_hf.benchmark import read_prompts
+from eagle3_hf.bench.runner import read_prompts
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation import drafting, engine, exact_attention, proposers
 from eagle3_hf.generation.engine import CycleRecord

@@ -102,7 +102,7 @@ def main() -> int:
     if args.depth < 1 or args.generate < 0:
         parser.error(f"--depth must be >= 1 and --generate >= 0, got {args.depth} and {args.generate}.")
 
-    from eagle3_hf.benchmark import load_models
+    from eagle3_hf.bench.runner import load_models
     from eagle3_hf.targets import load_tokenizer
     from eagle3_hf.training.tokenise import tokenise_data
 

@@ -18,7 +18,7 @@ import json
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.model_card import format_evaluation_table
+from eagle3_hf.bench.cards import format_evaluation_table
 from eagle3_hf.targets import load_target, load_tokenizer
 from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft

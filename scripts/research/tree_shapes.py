@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from eagle3_hf.benchmark import read_prompts
+from eagle3_hf.bench.runner import read_prompts
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.modeling.shipped import default_prompts_path

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eagle3_hf.bench_report import (  # noqa: F401  (re-exported: the benchmark's public pieces)
+from eagle3_hf.bench.report import (  # noqa: F401  (re-exported: the benchmark's public pieces)
     acceptance_by_depth,
     cycle_breakdown,
     divergence,
