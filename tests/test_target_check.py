@@ -3,6 +3,8 @@ call, and a draft of another target fails with its one clear error wherever it m
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -70,3 +72,23 @@ def test_a_draft_of_another_target_fails_once_with_the_clear_error(saved, checks
     with pytest.raises(ValueError, match="built for another target"):
         other.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=3)
     assert checks.call_count == 1
+
+
+def test_a_draft_fits_its_target_without_the_decoding_loop_loaded():
+    """`from_target` needs nothing above `modeling/`; only routing generate() does, and `bind` says so."""
+    code = f"""
+import sys
+from transformers import LlamaConfig, LlamaForCausalLM
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+target = LlamaForCausalLM(LlamaConfig(**{SHAPE!r}, vocab_size=96))
+draft = Eagle3DraftModel.from_target(target)
+print("generation loaded:", "eagle3_hf.generation" in sys.modules)
+try:
+    draft.bind(target)
+except RuntimeError as err:
+    print("bind:", err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "generation loaded: False" in out.stdout
+    assert "bind: No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation" in out.stdout
