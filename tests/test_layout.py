@@ -1,5 +1,5 @@
-"""The package layout: imports flow down, `cli` > `commands` > `bench` > the top-level modules > `generation` /
-`training` > `modeling` > `utils`, never back.
+"""The package layout: imports flow down, `cli` > `commands` > `bench` > the top-level modules (target and draft
+loading) > `generation` / `training` > `modeling` > `utils`, never back.
 
 Every module under `eagle3_hf/` is read with `ast` (imports inside functions and relative imports included), so a
 lazy import that reaches up counts as much as one at the top of a file.
@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = "eagle3_hf"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-LAYERS = ("utils", "modeling", "generation", "training", "commands")
+LAYERS = ("utils", "modeling", "generation", "training", "bench", "commands")
 MAX_LINES = 420  # "about 400"
 
 
@@ -188,6 +188,9 @@ def test_no_import_cycles():
         ("eagle3_hf.utils.precision", "eagle3_hf.generation.decoding"),
         ("eagle3_hf.targets", "eagle3_hf.commands.generate"),
         ("eagle3_hf.commands.generate", "eagle3_hf.cli"),
+        ("eagle3_hf.bench.runner", "eagle3_hf.commands.bench"),
+        ("eagle3_hf.targets", "eagle3_hf.bench.cards"),
+        ("eagle3_hf.generation.verify_choice", "eagle3_hf.bench.report"),
         ("eagle3_hf.generation.decoding", "eagle3_hf.training.trainer"),
         ("eagle3_hf.training.features", "eagle3_hf.generation.tree"),
         ("eagle3_hf.training.features", "eagle3_hf.targets"),
@@ -207,6 +210,8 @@ def test_an_upward_edge_is_reported_by_name(edge):
         ("eagle3_hf.training.features", "eagle3_hf.utils.precision"),
         ("eagle3_hf.commands.generate", "eagle3_hf.targets"),
         ("eagle3_hf.cli", "eagle3_hf.commands.generate"),
+        ("eagle3_hf.commands.bench", "eagle3_hf.bench.runner"),
+        ("eagle3_hf.bench.runner", "eagle3_hf.targets"),
     ],
 )
 def test_a_downward_edge_is_allowed(edge):
