@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.training import head_loss
 from eagle3_hf.training.head_loss import default_chunk_rows, fused_head_applies, head_cross_entropy
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import target_top_k, ttt_forward, ttt_loss
@@ -122,9 +123,15 @@ def test_trainer_uses_the_fused_step_and_matches_the_reference(tmp_path):
         torch.testing.assert_close(trainer_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_head_cross_entropy_is_the_soft_cross_entropy_of_the_head(sparse):
-    """Row losses, argmax and gradients equal log-softmax written out, with repeated label columns adding up."""
+def test_head_cross_entropy_is_the_soft_cross_entropy_of_the_head(sparse, recompute, monkeypatch):
+    """Row losses, argmax and gradients equal log-softmax written out, with repeated label columns adding up; the
+    same when the backward recomputes the gradient of the logits (in blocks of 2 chunks of 2 rows) instead of
+    keeping it."""
+    if recompute:
+        monkeypatch.setattr(head_loss, "KEEP_GRADIENT_BYTES", 0)
+        monkeypatch.setattr(head_loss, "_BACKWARD_BLOCK_BYTES", 2 * 2 * 10 * 8)
     torch.manual_seed(2)
     rows = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
@@ -142,6 +149,28 @@ def test_head_cross_entropy_is_the_soft_cross_entropy_of_the_head(sparse):
     assert torch.equal(argmax, log_q.argmax(-1))
     torch.testing.assert_close(fast_grads[0], rows.grad)
     torch.testing.assert_close(fast_grads[1], weight.grad)
+
+
+@pytest.mark.parametrize("loss_name", ["forward_kl", "tv", "lk"])
+def test_recomputing_the_gradient_of_the_logits_changes_nothing_in_bf16(loss_name, monkeypatch):
+    """Above `KEEP_GRADIENT_BYTES` the backward recomputes each forward chunk's gradient of the logits: the same
+    values, so the gradients equal the kept path's (up to the blocks' matmul summation order)."""
+    torch.manual_seed(3)
+    rows, weight = torch.randn(37, 16, requires_grad=True), torch.randn(256, 16, requires_grad=True)
+    columns = torch.randint(0, 256, (37, 5))
+    p = torch.softmax(torch.randn(37, 5), -1)
+    upstream = torch.rand(37)
+    results = []
+    for keep in (2**30, 0):
+        monkeypatch.setattr(head_loss, "KEEP_GRADIENT_BYTES", keep)
+        monkeypatch.setattr(head_loss, "_BACKWARD_BLOCK_BYTES", 256 * 2 * 8 * 2)  # blocks of 2 chunks of 8 rows
+        loss, argmax = head_cross_entropy(rows, weight, p, columns, torch.bfloat16, chunk_rows=8, loss=loss_name)
+        grads = torch.autograd.grad((loss * upstream).sum(), [rows, weight])
+        results.append((loss, argmax, grads))
+    (loss, argmax, grads), (recomputed, recomputed_argmax, recomputed_grads) = results
+    assert torch.equal(loss, recomputed) and torch.equal(argmax, recomputed_argmax)
+    assert torch.equal(grads[0], recomputed_grads[0])  # each row's gradient is its own block's matmul
+    torch.testing.assert_close(recomputed_grads[1], grads[1], rtol=1e-2, atol=1e-3)
 
 
 def test_default_chunk_rows_keep_cpu_blocks_small_and_accelerator_launches_few():

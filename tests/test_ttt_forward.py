@@ -1,5 +1,5 @@
-"""The TTT steps run the draft's own forward: losses and gradients equal the parallel forward training used to have
-(bit for bit in fp32, to bf16 rounding under autocast), and a training step calls the draft, each layer and the head
+"""The TTT steps run the draft's own forward: losses and gradients equal the parallel forward training used to have,
+with its dense attention (to 1e-5 in fp32, to bf16 rounding under autocast), and a training step calls the draft, each layer and the head
 through their own calls, with nothing patched."""
 
 import contextlib
@@ -17,7 +17,7 @@ from eagle3_hf.training import distributed
 from eagle3_hf.training.head_loss import head_cross_entropy, ttt_head_kwargs
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import shift_left, target_top_k, ttt_forward, ttt_loss
-from eagle3_hf.training.ttt_layer import joint_attention, repeat_kv
+from eagle3_hf.training.ttt_layer import repeat_kv
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).parents[1]
@@ -29,6 +29,37 @@ V = 96
 SHAPE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=V
 )
+
+
+def joint_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The former dense attention (before #46 item 4): attention of q ``[B, h, S, d]`` over the causal keys ``keys[0]`` ``[B, h, S, d]`` and the diagonal keys.
+
+    `keys[1:]` (steps 1..j) are seen only at the query's own position: their scores are ``(q * k_i).sum(-1)``, appended
+    as extra columns ``[B, h, S, j]`` before one softmax. `mask` is the additive ``[B, 1, S, S]`` causal/padding mask.
+    Returns ``[B, h, S, d]``.
+    """
+    scores = torch.matmul(q, keys[0].transpose(-1, -2))  # [B, h, S, S]
+    if len(keys) > 1:
+        diagonal = torch.stack([(q * k).sum(-1) for k in keys[1:]], dim=-1)  # [B, h, S, j]
+        scores = torch.cat([scores, diagonal], dim=-1)  # [B, h, S, S+j]
+    scores = scores * scaling
+    if softcap is not None:  # Gemma-style logit soft-capping, as the family's eager attention does
+        scores = torch.tanh(scores / softcap) * softcap
+    if len(keys) > 1:
+        mask = torch.nn.functional.pad(mask, (0, len(keys) - 1))  # the diagonal columns are always visible
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(values[0].dtype)
+    seq = keys[0].shape[-2]
+    out = torch.matmul(probs[..., :seq], values[0])  # [B, h, S, d]
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., seq + i, None] * v
+    return out
 
 
 def _former_ttt_forward(draft, input_ids, features, attention_mask, ttt_length):
@@ -119,23 +150,27 @@ def test_ttt_losses_and_gradients_equal_the_former_training_forward(family, over
     fp32 = contextlib.nullcontext
     model, model_grads = _loss_and_grads(draft, batch, "model", fp32)
     former, former_grads = _loss_and_grads(draft, batch, "former", fp32)
-    assert torch.equal(model.loss, former.loss) and torch.equal(model.step_correct, former.step_correct)
+    # The chunked attention merges in log space: equal to the dense softmax up to fp32 rounding.
+    torch.testing.assert_close(model.loss, former.loss, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.step_correct, former.step_correct)
     assert model_grads.keys() == former_grads.keys() and "lm_head.weight" in model_grads
     for name, grad in model_grads.items():
-        assert torch.equal(grad, former_grads[name]), name
+        torch.testing.assert_close(grad, former_grads[name], rtol=1e-5, atol=1e-5, msg=name)
         assert grad.abs().sum() > 0, name
 
     # Under bf16 autocast the forward casts the token embeddings to the state's bf16 (the former loop kept them in
-    # fp32 until the layer's matmuls): the same to bf16 rounding.
+    # fp32 until the layer's matmuls), and the attention rounds in other places: both are as close to the fp32
+    # result as each other (each a few % of a gradient's largest entry).
     def bf16():
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
-    model, model_grads = _loss_and_grads(draft, batch, "model", bf16)
-    former, former_grads = _loss_and_grads(draft, batch, "former", bf16)
+    model, model_bf16 = _loss_and_grads(draft, batch, "model", bf16)
+    former, former_bf16 = _loss_and_grads(draft, batch, "former", bf16)
     torch.testing.assert_close(model.loss, former.loss, rtol=2e-2, atol=1e-3)
-    for name, grad in model_grads.items():
-        scale = former_grads[name].abs().max()
-        torch.testing.assert_close(grad, former_grads[name], rtol=0, atol=0.06 * float(scale), msg=name)
+    for name, fp32_grad in former_grads.items():
+        scale = float(fp32_grad.abs().max())
+        error, former_error = [float((g[name] - fp32_grad).abs().max()) / scale for g in (model_bf16, former_bf16)]
+        assert error <= 2 * former_error + 0.01 and error < 0.1, (name, error, former_error)
 
 
 def test_reentrant_checkpointing_is_refused():

@@ -63,6 +63,44 @@ def _row_max(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top, block * _BLOCK + within
 
 
+# The gradient of the logits ([M, Vd], compute dtype) is kept from the forward up to this size. Above it (long rows:
+# 4k tokens x 7 TTT steps is 0.9 GiB in bf16) the backward recomputes it block by block instead, one more head matmul.
+KEEP_GRADIENT_BYTES = 512 * 2**20
+_BACKWARD_BLOCK_BYTES = 64 * 2**20  # a recomputed block of the gradient of the logits
+
+
+def _chunk_gradient(
+    x: torch.Tensor,
+    w_t: torch.Tensor,
+    columns: torch.Tensor | None,
+    weights: torch.Tensor,
+    loss: str,
+    logits: torch.Tensor,
+    work: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of rows ``x`` ``[c, H]``: ``(row_loss [c], argmax [c], d row_loss / d logits [c, Vd])``, the last a
+    view of `work` (the loss's dtype); `logits` and `work` are the reused ``[chunk, Vd]`` blocks."""
+    n = x.shape[0]
+    z = torch.mm(x, w_t, out=logits[:n])  # as the head under autocast gives it
+    e = work[:n].copy_(z)
+    top, predicted = _row_max(e)
+    e.sub_(top[:, None]).exp_()  # exp(z - max)
+    total = e.sum(-1)  # [c]
+    lse = top + total.log()
+    picked = (z if columns is None else z.gather(1, columns)).to(work.dtype)  # [c, Vd] or [c, k] at `columns`
+    row_loss, scale, spread = support_terms(loss, picked, lse, weights)
+    e.mul_((scale / total)[:, None])  # softmax(z) * scale (the label's mass for the cross entropy)
+    if columns is None:
+        e.sub_(spread)
+    else:
+        e.scatter_add_(1, columns, -spread)
+    return row_loss, predicted, e
+
+
+def _part(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+    return None if t is None else t[part]
+
+
 class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -82,36 +120,18 @@ class _HeadCrossEntropy(torch.autograd.Function):
             wide = torch.promote_types(compute_dtype, torch.float32)  # softmax and loss: fp32 at least
             row_loss = x.new_empty(count, dtype=wide)
             predicted = torch.empty(count, dtype=torch.long, device=x.device)
-            grad_logits = x.new_empty(count, w.shape[0])  # [M, Vd] d row_loss / d logits, compute dtype
-            # Work blocks allocated once and reused by every chunk: fresh blocks of this size would come from mmap
-            # and cost page faults at every chunk.
-            logits = x.new_empty(min(chunk_rows, count), w.shape[0])  # [c, Vd] compute dtype
+            keep = count * w.shape[0] * x.element_size() <= KEEP_GRADIENT_BYTES
+            grad_logits = x.new_empty(count, w.shape[0]) if keep else None  # [M, Vd] d row_loss / d logits
             # oneDNN's bf16 matmul runs about twice as fast with both operands contiguous as with a transposed one.
             w_t = w.T.contiguous()  # [H, Vd]
-            work = x.new_empty(logits.shape, dtype=wide)  # [c, Vd]
-            for start in range(0, count, chunk_rows):
-                part = slice(start, start + chunk_rows)
-                n = x[part].shape[0]
-                z = torch.mm(x[part], w_t, out=logits[:n])  # as the head under autocast gives it
-                e = work[:n].copy_(z)
-                top, predicted[part] = _row_max(e)
-                e.sub_(top[:, None]).exp_()  # exp(z - max)
-                total = e.sum(-1)  # [c]
-                lse = top + total.log()
-                weights = p[part]  # [c, k] (sparse, at `columns`) or [c, Vd] (dense)
-                if columns is None:
-                    picked = z.to(wide)
-                else:
-                    picked = z.gather(1, columns[part]).to(wide)  # [c, k]
-                row_loss[part], scale, spread = support_terms(loss, picked, lse, weights)
-                e.mul_((scale / total)[:, None])  # softmax(z) * scale (the label's mass for the cross entropy)
-                if columns is None:
-                    e.sub_(spread)
-                else:
-                    e.scatter_add_(1, columns[part], -spread)
-                grad_logits[part].copy_(e)
-        ctx.save_for_backward(x, w, grad_logits)
-        ctx.dtypes = (rows.dtype, weight.dtype)
+            for part, blocks in _chunks(x, w_t, chunk_rows, wide):
+                row_loss[part], predicted[part], e = _chunk_gradient(
+                    x[part], w_t, _part(columns, part), p[part], loss, *blocks
+                )
+                if keep:
+                    grad_logits[part].copy_(e)
+        ctx.save_for_backward(x, w, grad_logits if keep else p, *(() if columns is None else (columns,)))
+        ctx.settings = (rows.dtype, weight.dtype, keep, chunk_rows, loss)
         ctx.needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         ctx.mark_non_differentiable(predicted)
         return row_loss, predicted
@@ -120,18 +140,44 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, _grad_predicted: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        x, w, grad_logits = ctx.saved_tensors
-        rows_dtype, weight_dtype = ctx.dtypes
+        x, w, kept, *columns = ctx.saved_tensors
+        rows_dtype, weight_dtype, keep, chunk_rows, loss = ctx.settings
         scale = grad_loss[:, None]  # [M, 1] upstream weight of each row, in the loss's (wide) dtype
-        grad_rows = grad_weight = None
+        count, width = x.shape[0], w.shape[0]
+        block_rows = count if keep else max(1, _BACKWARD_BLOCK_BYTES // (width * x.element_size() * chunk_rows))
+        block_rows *= 1 if keep else chunk_rows  # whole forward chunks: the recomputed gradient is the same
+        grad_rows = x.new_empty(x.shape, dtype=rows_dtype) if ctx.needs[0] else None
+        grad_w_t = x.new_zeros(x.shape[1], width, dtype=scale.dtype) if ctx.needs[1] else None  # [H, Vd]
         with torch.autocast(x.device.type, enabled=False):
-            if ctx.needs[0]:
-                grad_rows = ((grad_logits @ w).to(scale.dtype) * scale).to(rows_dtype)  # [M, H]
-            if ctx.needs[1]:
-                # [H, M] @ [M, Vd] with the small operand made contiguous (as for w_t), then transposed back.
-                scaled = (x.to(scale.dtype) * scale).to(x.dtype).T.contiguous()  # [H, M]
-                grad_weight = (scaled @ grad_logits).T.contiguous().to(weight_dtype)
+            w_t = None if keep else w.T.contiguous()
+            block = None if keep else x.new_empty(min(block_rows, count), width)
+            for start in range(0, count, block_rows):
+                rows = slice(start, start + block_rows)
+                if keep:
+                    grad_logits = kept[rows]
+                else:  # recompute this block's gradient of the logits, forward chunk by forward chunk
+                    grad_logits = block[: x[rows].shape[0]]
+                    cols = columns[0][rows] if columns else None
+                    for part, blocks in _chunks(x[rows], w_t, chunk_rows, scale.dtype):
+                        e = _chunk_gradient(x[rows][part], w_t, _part(cols, part), kept[rows][part], loss, *blocks)[2]
+                        grad_logits[part].copy_(e)
+                if grad_rows is not None:
+                    grad_rows[rows] = ((grad_logits @ w).to(scale.dtype) * scale[rows]).to(rows_dtype)  # [m, H]
+                if grad_w_t is not None:
+                    # [H, m] @ [m, Vd] with the small operand made contiguous (as for w_t).
+                    scaled = (x[rows].to(scale.dtype) * scale[rows]).to(x.dtype).T.contiguous()  # [H, m]
+                    grad_w_t += scaled @ grad_logits
+        grad_weight = None if grad_w_t is None else grad_w_t.T.contiguous().to(weight_dtype)
         return grad_rows, grad_weight, None, None, None, None, None
+
+
+def _chunks(x: torch.Tensor, w_t: torch.Tensor, chunk_rows: int, wide: torch.dtype):
+    """The chunks of `x`'s rows, with the ``[chunk, Vd]`` work blocks every chunk reuses (fresh blocks of this size
+    would come from mmap and cost page faults at every chunk)."""
+    logits = x.new_empty(min(chunk_rows, x.shape[0]), w_t.shape[1])  # [c, Vd] compute dtype
+    work = x.new_empty(logits.shape, dtype=wide)  # [c, Vd]
+    for start in range(0, x.shape[0], chunk_rows):
+        yield slice(start, start + chunk_rows), (logits, work)
 
 
 def fused_head_applies(head: torch.nn.Module) -> bool:

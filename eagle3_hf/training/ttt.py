@@ -14,8 +14,10 @@ Alignment (EAGLE-3 reference §3, with the loss mask aligned to the predicted to
 Attention at step ``j``: query ``(t, j)`` sees the step-0 keys at positions ``<= t`` (causal, and padding) plus the
 keys of steps ``1..j`` at position ``t`` only, under one joint softmax. This is exactly what inference-time drafting
 computes when it prefills the pairs up to ``t`` and then feeds its own state back ``j`` times (see
-`tests/test_ttt.py`). The causal block is an ``[S, S]`` score matrix and the other steps add ``j`` diagonal columns
-(``q·k_i`` per position), so the cost is O(S·(S+j)), never the dense ``[S, ttt·S]`` mask. Each step is one call of
+`tests/test_ttt.py`). The other steps add ``j`` diagonal scores (``q·k_i`` per position) to the causal block, merged
+in log space chunk by chunk of queries (`eagle3_hf.training.ttt_attention`): memory O(S), never an ``[S, S]`` score
+tensor. Packed rows (``position_ids`` restarting per conversation) keep each conversation's attention, RoPE
+positions and loss to itself (`eagle3_hf.training.collator`). Each step is one call of
 the draft's own forward with that attention (`eagle3_hf.training.ttt_layer.TTTAttention`): a deeper draft runs all its
 layers at every step, each attending this way over its own earlier steps' keys/values; layer ``l > 0`` reads layer
 ``l - 1``'s output of the same step.
@@ -44,8 +46,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
-from eagle3_hf.modeling.masks import causal_mask
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.training.soft_labels import _sparse_targets, draft_vocab_targets, target_top_k
+from eagle3_hf.training.ttt_attention import attention_segments
 from eagle3_hf.training.ttt_layer import TTTAttention
 
 # (rows [M, H], p [M, k] or [M, Vd], columns [M, k] or None) -> (row_loss [M], argmax draft id [M])
@@ -111,62 +114,6 @@ def step_alignment(seq_len: int, step: int) -> tuple[slice, slice, slice]:
     return slice(0, n), slice(1 + step, 1 + step + n), slice(2 + step, 2 + step + n)
 
 
-def target_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's `k` largest logits over its FULL vocabulary and their ids: ``([..., k], int32 [..., k])``.
-
-    Sorted in descending order, so column 0 is the target's top token. Online training and offline features both
-    keep exactly this (`k` is capped at the vocabulary size); the loss then restricts it to a draft vocabulary with
-    `draft_vocab_targets`, so one set of features serves any draft vocabulary.
-    """
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"The number of target logits to keep (top-k) must be a positive integer, got {k!r}.")
-    values, ids = torch.topk(logits, min(k, logits.shape[-1]), dim=-1, sorted=True)
-    return values, ids.to(torch.int32)
-
-
-def draft_vocab_targets(
-    target_logits: torch.Tensor, target_ids: torch.Tensor | None, t2d: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per position: the target's top token, whether the draft vocabulary holds it, and the soft label.
-
-    Args:
-        target_logits: ``[N, k]`` target logits of the ids `target_ids`, or ``[N, V]`` over the whole vocabulary.
-        target_ids: ``[N, k]`` the target ids of the columns (`target_top_k`'s), or `None` for ``[N, V]``.
-        t2d: ``[V]`` bool draft-vocabulary membership.
-
-    Returns ``(top [N] target ids, in_vocab [N] bool, p [M, Vd])``: `p` is, for the ``M`` positions whose top token
-    is in the draft vocabulary, the softmax of their logits restricted to draft-vocabulary ids (every other id, and
-    every id outside the top k, at -inf), float32, in draft-id order.
-    """
-    t2d = t2d.to(target_logits.device)
-    if target_ids is None:
-        top = target_logits.argmax(-1)  # [N]
-        in_vocab = t2d[top]
-        return top, in_vocab, torch.softmax(target_logits[in_vocab][:, t2d].float(), dim=-1)
-    top, in_vocab, columns, p = _sparse_targets(target_logits, target_ids, t2d)
-    dense = p.new_zeros(p.shape[0], int(t2d.sum()))
-    return top, in_vocab, dense.scatter_add_(1, columns, p)
-
-
-def _sparse_targets(
-    target_logits: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`draft_vocab_targets` for top-k logits, with the soft label kept sparse: ``(top [N], in_vocab [N],
-    columns [M, k] draft ids, p [M, k])``. `p` is zero at the columns whose id lies outside the draft vocabulary
-    (their `columns` entry is 0, a placeholder), so the loss is ``-(p * log_q.gather(1, columns)).sum()``: O(M*k)
-    instead of a product over the whole ``[M, Vd]``."""
-    t2d = t2d.to(target_logits.device)
-    ids = target_ids.long()
-    top = ids.gather(-1, target_logits.argmax(-1, keepdim=True))[:, 0]  # column 0 when sorted, any order works
-    in_vocab = t2d[top]
-    ids, logits = ids[in_vocab], target_logits[in_vocab].float()  # [M, k]
-    member = t2d[ids]
-    draft_index = torch.cumsum(t2d.long(), 0) - 1  # [V] draft id of each in-vocabulary target id
-    columns = torch.where(member, draft_index[ids], 0)
-    p = torch.softmax(torch.where(member, logits, float("-inf")), dim=-1)  # the top id is a member: no all -inf row
-    return top, in_vocab, columns, p
-
-
 def ttt_forward(
     draft: nn.Module,
     input_ids: torch.Tensor,
@@ -174,6 +121,7 @@ def ttt_forward(
     attention_mask: torch.Tensor | None = None,
     ttt_length: int = 7,
     return_hidden: bool = False,
+    position_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     r"""Run `ttt_length` TTT steps of `draft`; return the per-step draft logits, each ``[B, S, Vd]``.
 
@@ -187,6 +135,8 @@ def ttt_forward(
         return_hidden: return each step's head input (the normed state, ``[B, S, H]``) instead of its logits; pass
             ``head=draft.lm_head`` to `ttt_loss`, which then runs the head on the supervised positions only (the
             head over a draft vocabulary of 16k ids is most of a step's cost, and prompts carry no loss).
+        position_ids: ``[B, S]`` for packed rows, each conversation's positions from 0: attention stays inside each
+            conversation and RoPE restarts with it (pass the same to `ttt_loss`); `None`: ``0..S-1``.
 
     Logits of step ``j`` at position ``t`` are what inference-time drafting produces after prefilling pairs up to
     ``t`` and feeding back its own state ``j`` times with the true tokens.
@@ -224,11 +174,11 @@ def ttt_forward(
         raise ValueError("The draft has no token embedding; load it with `draft.load_target_embedding(target)`.")
     batch, seq = input_ids.shape
     dtype = draft.fc.weight.dtype
-    device = target_hidden_states.device  # under autocast the layers compute in bf16/fp16: the mask is built in it
-    autocast = torch.is_autocast_enabled(device.type)
-    compute_dtype = torch.get_autocast_dtype(device.type) if autocast else dtype
-    mask = causal_mask(batch, seq, 0, attention_mask, compute_dtype, device)  # [B, 1, S, S]
+    # Which step-0 keys each query sees: a conversation id per position (`TTTAttention` reads it as its mask).
+    segments = attention_segments(attention_mask, position_ids, batch, seq, target_hidden_states.device)  # [B, S]
     positions = torch.arange(seq, device=input_ids.device)[None].expand(batch, seq)
+    if position_ids is not None:  # packed rows: RoPE restarts with each conversation
+        positions = position_ids.to(input_ids.device)
     attention = TTTAttention([[] for _ in draft.draft_layers()])  # per layer: k, v of each earlier step
     features, hidden = target_hidden_states.to(dtype), None  # step 0 starts from g_0 = fc(h_t), later ones from g_j
     outputs = []
@@ -239,7 +189,7 @@ def ttt_forward(
             target_hidden_states=features if step == 0 else None,
             hidden_states=hidden,
             position_ids=positions + step,  # RoPE position t + j
-            attention_mask=mask,
+            attention_mask=segments,
             attention=attention,
             skip_logits=return_hidden,
         )
@@ -265,6 +215,7 @@ def ttt_loss(
     target_ids: torch.Tensor | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fused_head: FusedHead | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> TTTOutput:
     """The TTT loss, and per-step accuracy against the target's full-vocabulary top token.
 
@@ -282,6 +233,8 @@ def ttt_loss(
         fused_head: instead of `head`, the head and per-row loss in one call over every step's rows at once,
             ``(rows [M, H], p, columns) -> (row_loss [M], argmax [M])`` (`head_cross_entropy` with the head's
             weight): the same loss and gradients, without the per-step ``[M, Vd]`` log-softmax passes.
+        position_ids: ``[B, S]`` of packed rows (`ttt_forward`'s): a position predicting a token of the next
+            conversation is not supervised, as past the end of a padded row.
 
     A supervised position whose target top token lies outside the draft vocabulary carries no loss (greedy
     verification rejects every draft token there) but counts as a miss in the accuracy, so that ``step_accuracy``
@@ -322,7 +275,10 @@ def ttt_loss(
         )
     draft_to_target = torch.nonzero(t2d)[:, 0]  # [Vd] target id of each draft id (d2t as absolute ids)
     seq = loss_mask.shape[1]
-    steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq)
+    segments = None
+    if position_ids is not None:
+        segments = attention_segments(None, position_ids.to(loss_mask.device), *loss_mask.shape, loss_mask.device)
+    steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq, segments)
              for step, outputs in enumerate(step_logits)]  # fmt: skip
     if fused_head is not None:
         losses, predictions = _fused_step_losses(steps, fused_head)
@@ -363,11 +319,14 @@ def _step_targets(
     loss_mask: torch.Tensor,
     t2d: torch.Tensor,
     seq: int,
+    segments: torch.Tensor | None = None,
 ) -> _StepTargets:
     """One step's rows that carry loss and their labels: ``(rows [M, Vd or H], top [N], in_vocab [N], columns [M, k]
     or None, p [M, k or Vd], number of supervised positions N)``."""
     draft_pos, target_rows, mask_pos = step_alignment(seq, step)
     selected = loss_mask[:, mask_pos].bool()  # [B, n]
+    if segments is not None:  # packed rows: the predicted token must be of the position's own conversation
+        selected &= segments[:, mask_pos] == segments[:, draft_pos]
     # Gather the supervised positions first: the head and softmaxes then cost O(#supervised * Vd), not O(B*S*Vd).
     rows = outputs[:, draft_pos][selected]  # [N, Vd] logits, or [N, H] head inputs
     targets = target_logits[:, target_rows][selected]

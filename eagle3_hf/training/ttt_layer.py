@@ -1,7 +1,7 @@
 """The training-time-test step's attention: each draft layer's joint attention over the earlier TTT steps' keys.
 
 `eagle3_hf.training.ttt` explains the structure: at TTT step ``j`` query ``(t, j)`` sees the step-0 keys at positions
-``<= t`` (causal, and padding) plus the keys of steps ``1..j`` at position ``t`` only, under one joint softmax. Each
+``<= t`` of its conversation (causal, no padding) plus the keys of steps ``1..j`` at position ``t`` only, under one joint softmax. Each
 TTT step is one call of the draft's own forward with a `TTTAttention` as its `attention`; every decoder layer then
 attends this way over its own earlier steps' keys/values, which the object keeps.
 """
@@ -11,39 +11,9 @@ from __future__ import annotations
 import torch
 
 from eagle3_hf.modeling.decoder_layer import Eagle3DecoderLayer
+from eagle3_hf.training.ttt_attention import ttt_attention
 
-__all__ = ["TTTAttention", "joint_attention", "repeat_kv"]
-
-
-def joint_attention(
-    q: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    mask: torch.Tensor,
-    scaling: float,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Attention of q ``[B, h, S, d]`` over the causal keys ``keys[0]`` ``[B, h, S, d]`` and the diagonal keys.
-
-    `keys[1:]` (steps 1..j) are seen only at the query's own position: their scores are ``(q * k_i).sum(-1)``, appended
-    as extra columns ``[B, h, S, j]`` before one softmax. `mask` is the additive ``[B, 1, S, S]`` causal/padding mask.
-    Returns ``[B, h, S, d]``.
-    """
-    scores = torch.matmul(q, keys[0].transpose(-1, -2))  # [B, h, S, S]
-    if len(keys) > 1:
-        diagonal = torch.stack([(q * k).sum(-1) for k in keys[1:]], dim=-1)  # [B, h, S, j]
-        scores = torch.cat([scores, diagonal], dim=-1)  # [B, h, S, S+j]
-    scores = scores * scaling
-    if softcap is not None:  # Gemma-style logit soft-capping, as the family's eager attention does
-        scores = torch.tanh(scores / softcap) * softcap
-    if len(keys) > 1:
-        mask = torch.nn.functional.pad(mask, (0, len(keys) - 1))  # the diagonal columns are always visible
-    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(values[0].dtype)
-    seq = keys[0].shape[-2]
-    out = torch.matmul(probs[..., :seq], values[0])  # [B, h, S, d]
-    for i, v in enumerate(values[1:]):
-        out = out + probs[..., seq + i, None] * v
-    return out
+__all__ = ["TTTAttention", "repeat_kv"]
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -56,8 +26,9 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 class TTTAttention:
     """One TTT step's attention (a `DraftAttention` for the draft's forward): each layer's query attends jointly over
-    that layer's step-0 keys (causal, under the additive mask ``[B, 1, S, S]`` the forward is given) and its own
-    position's keys of steps ``1..j`` (`joint_attention`).
+    that layer's step-0 keys (causal, within the conversation: the forward is given the ``[B, S]`` conversation ids
+    of `eagle3_hf.training.ttt_attention.attention_segments` as its mask) and its own position's keys of steps
+    ``1..j`` (`ttt_attention`, without a score tensor).
 
     Args:
         earlier: per draft layer, the keys and values of the earlier steps, ``[k_0, v_0, k_1, v_1, ...]``,
@@ -86,15 +57,11 @@ class TTTAttention:
         previous = self.earlier[layer.layer_idx]
         keys = [*previous[0::2], k]
         values = [*previous[1::2], v]
-        groups = attn.num_key_value_groups
-        out = joint_attention(
-            q,
-            [repeat_kv(t, groups) for t in keys],
-            [repeat_kv(t, groups) for t in values],
-            mask,
-            attn.scaling,
-            getattr(attn, "attn_logit_softcapping", None),
-        )
+        batch, _, count, _ = q.shape
+        query_index = torch.arange(count, device=q.device)[None].expand(batch, count)
+        softcap = getattr(attn, "attn_logit_softcapping", None)
+        # `mask` is the ``[B, S]`` conversation id of each position (`ttt_attention`), not an additive mask.
+        out = ttt_attention(q, keys, values, query_index, mask, attn.scaling, softcap)  # [B, heads, S, d]
         self.current[layer.layer_idx] = (k, v)
         return out.transpose(1, 2).reshape(*q.shape[:1], q.shape[2], -1)  # [B, S, heads*d]
 
