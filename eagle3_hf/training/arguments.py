@@ -38,6 +38,8 @@ class Eagle3TrainingOptions:
         max_length: longer rows are cut by the default collator.
         build_draft_vocab: when the draft still has the placeholder vocabulary (``d2t`` all zero, i.e. ids
             ``0..Vd-1``), build it from the training data's supervised tokens before training.
+        packing: pack the batch's conversations into rows of at most `max_length` tokens
+            (`eagle3_hf.training.collator`): positions restart per conversation, attention and loss stay within each.
         loss: the objective of each step against the target's soft label (`eagle3_hf.training.losses`):
             ``"forward_kl"`` (EAGLE-3's soft cross entropy, the default), ``"tv"`` (total variation) or ``"lk"``
             (negative log acceptance).
@@ -63,6 +65,11 @@ class Eagle3TrainingOptions:
     build_draft_vocab: bool = field(
         default=True, metadata={"help": "build a placeholder draft vocabulary from the training data"}
     )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "pack each batch's conversations into rows of up to --max-length tokens, each attending "
+                          "within itself (fewer padded positions; the loss is the padded batch's)"},
+    )  # fmt: skip
     loss: Literal["forward_kl", "tv", "lk"] = field(
         default="forward_kl",
         metadata={"help": "objective of each TTT step: forward_kl (soft cross entropy, EAGLE-3's), tv (total "

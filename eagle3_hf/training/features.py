@@ -64,9 +64,13 @@ def _target_forward(
     attention_mask: torch.Tensor | None,
     taps: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
     top_k: int,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one target pass of online training and offline features: ``(taps, top-k logits, top-k ids)``."""
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    """The one target pass of online training and offline features: ``(taps, top-k logits, top-k ids)``. With
+    `position_ids` (packed rows) the target gets them and no attention mask: HF builds the packed rows' block-diagonal
+    mask from the restarting positions; `attention_mask` then only zeroes the padding's features."""
+    kwargs = {"attention_mask": attention_mask} if position_ids is None else {"position_ids": position_ids}
+    out = target(input_ids=input_ids, output_hidden_states=True, use_cache=False, **kwargs)
     features = taps(out.hidden_states)  # [B, S, 3Ht]
     top_logits, top_ids = target_top_k(out.logits, top_k)  # [B, S, k] x2
     if attention_mask is not None:  # zero on padding: online batches then equal the zero-padded offline ones
@@ -81,9 +85,10 @@ def online_features(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     top_k: int = DEFAULT_TOP_K,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the frozen `target` without gradients: ``(target_hidden_states [B, S, 3Ht], target_top_logits [B, S, k],
-    target_top_ids [B, S, k])``.
+    target_top_ids [B, S, k])``; `position_ids` for packed rows (each conversation from 0), which it attends within.
 
     The taps are the draft's (`draft.target_features`, i.e. its config's layer ids); the logits are the target's
     `top_k` largest over its full vocabulary, exactly what offline features store; all are zero on padding. The
@@ -96,7 +101,7 @@ def online_features(
     ```
     """
     draft = _base_draft(draft)
-    return _target_forward(target, input_ids, attention_mask, draft.target_features, top_k)
+    return _target_forward(target, input_ids, attention_mask, draft.target_features, top_k, position_ids)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from eagle3_hf.training.arguments import Eagle3TrainingOptions
 from eagle3_hf.training.checkpointing import WholeCheckpoints
+from eagle3_hf.training.collator import FEATURE_KEYS, Eagle3DataCollator
 from eagle3_hf.training.distributed import (
     check_fsdp_plugin,
     enable_cpu_fsdp,
@@ -44,9 +45,6 @@ from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_f
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
 
 logger = logging.getLogger(__name__)
-
-FEATURE_KEYS = ("target_hidden_states", "target_top_logits", "target_top_ids")
-_FLOAT_FEATURES = ("target_hidden_states", "target_top_logits")  # kept in their stored dtype by the collator
 
 __all__ = [
     "Eagle3DataCollator",
@@ -77,59 +75,6 @@ class Eagle3TrainingArguments(Eagle3TrainingOptions, TrainingArguments):
             )
         self.check_eagle3_options()  # before TrainingArguments' own set-up, which may touch devices
         super().__post_init__()
-
-
-@dataclass
-class Eagle3DataCollator:
-    """Right-pad rows into a batch; ``loss_mask`` and ``attention_mask`` are 0 on padding, features 0.
-
-    Rows hold ``input_ids`` and ``loss_mask`` (lists or tensors), optionally ``attention_mask`` and the offline
-    features ``target_hidden_states`` ``[S, 3Ht]`` / ``target_top_logits`` / ``target_top_ids`` ``[S, k]``; other keys
-    (``id``) are dropped.
-
-    Example:
-
-    ```python
-    >>> from eagle3_hf.training.trainer import Eagle3DataCollator
-    >>> rows = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}]
-    >>> batch = Eagle3DataCollator()(rows)
-    >>> batch["input_ids"].tolist(), batch["loss_mask"].tolist(), batch["attention_mask"].tolist()
-    ([[5, 6, 7], [8, 0, 0]], [[0, 1, 1], [1, 0, 0]], [[1, 1, 1], [1, 0, 0]])
-    ```
-    """
-
-    pad_token_id: int = 0
-    max_length: int | None = None
-    pad_to_multiple_of: int | None = None
-
-    def __call__(self, rows: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        if not rows:
-            raise ValueError("Cannot collate an empty list of rows.")
-        for index, row in enumerate(rows):
-            missing = {"input_ids", "loss_mask"} - set(row)
-            if missing:
-                raise ValueError(f"Row {index} lacks {sorted(missing)}; it has {sorted(row)}.")
-        lengths = [min(len(r["input_ids"]), self.max_length or len(r["input_ids"])) for r in rows]
-        width = max(lengths)
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch: dict[str, torch.Tensor] = {}
-        keys = ["input_ids", "attention_mask", "loss_mask"] + [k for k in FEATURE_KEYS if k in rows[0]]
-        for key in keys:
-            values = []
-            for row, n in zip(rows, lengths):
-                if key == "attention_mask" and key not in row:
-                    value = torch.ones(n, dtype=torch.long)
-                else:
-                    value = torch.as_tensor(row[key])[:n]
-                    value = value if key in _FLOAT_FEATURES else value.long()
-                values.append(value)
-            fill = self.pad_token_id if key == "input_ids" else 0
-            out = values[0].new_full((len(rows), width, *values[0].shape[1:]), fill)
-            for r, value in enumerate(values):
-                out[r, : value.shape[0]] = value
-            batch[key] = out
-        return batch
 
 
 def install_draft_vocab(draft: nn.Module, dataset: Dataset | Any) -> DraftVocab:
@@ -231,7 +176,7 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
                 self._check_dataset(draft, dataset, args, name)
         if data_collator is None:
             pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
-            data_collator = Eagle3DataCollator(pad_token_id=pad, max_length=args.max_length)
+            data_collator = Eagle3DataCollator(pad_token_id=pad, max_length=args.max_length, packing=args.packing)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, **kwargs,
@@ -300,14 +245,14 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
         with self.accelerator.autocast():  # the head's compute dtype; the draft's forward may carry accelerate's too
             states = ttt_forward(
                 model, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length,
-                return_hidden=True,
+                return_hidden=True, position_ids=batch.get("position_ids"),
             )  # fmt: skip
             device = states[0].device.type
             compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         heads = ttt_head_kwargs(draft.lm_head, self.accelerator.autocast, compute_dtype, self.args.loss)
         return ttt_loss(
             states, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
-            target_ids=batch["target_top_ids"], **heads,
+            target_ids=batch["target_top_ids"], position_ids=batch.get("position_ids"), **heads,
         )  # fmt: skip
 
     def compute_loss(
@@ -318,10 +263,11 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, TTTOutput]:
         draft = _base_draft(self.accelerator.unwrap_model(model))
-        batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+        batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask", "position_ids") if k in inputs}
         if self.args.feature_mode == "online":
             batch["target_hidden_states"], batch["target_top_logits"], batch["target_top_ids"] = online_features(
-                self.target, draft, batch["input_ids"], batch["attention_mask"], self.args.logits_top_k
+                self.target, draft, batch["input_ids"], batch["attention_mask"], self.args.logits_top_k,
+                position_ids=batch.get("position_ids"),
             )
             reshard(self.target)  # a sharded target keeps no gathered weights between batches
         else:
