@@ -208,3 +208,13 @@ def test_the_blocked_row_maximum_is_torch_max():
         expected = block.max(-1)
         assert torch.equal(top, expected.values) and torch.equal(index, expected.indices)
     assert int(_row_max(z)[1][2]) == 10
+
+
+@pytest.mark.parametrize("keep", [2**30, 0], ids=["kept", "recomputed"])
+def test_head_cross_entropy_without_rows_gives_zero_gradients(keep, monkeypatch):
+    """A batch where no position carries loss (all prompts, or all out of the vocabulary) still runs its backward."""
+    monkeypatch.setattr(head_loss, "KEEP_GRADIENT_BYTES", keep)
+    rows, weight = torch.zeros(0, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    loss, _ = head_cross_entropy(rows, weight, torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.long))
+    loss.sum().backward()
+    assert rows.grad.shape == (0, 8) and torch.equal(weight.grad, torch.zeros_like(weight))

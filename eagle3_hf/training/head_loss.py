@@ -144,7 +144,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
         rows_dtype, weight_dtype, keep, chunk_rows, loss = ctx.settings
         scale = grad_loss[:, None]  # [M, 1] upstream weight of each row, in the loss's (wide) dtype
         count, width = x.shape[0], w.shape[0]
-        block_rows = count if keep else max(1, _BACKWARD_BLOCK_BYTES // (width * x.element_size() * chunk_rows))
+        block_rows = max(count, 1) if keep else max(1, _BACKWARD_BLOCK_BYTES // (width * x.element_size() * chunk_rows))
         block_rows *= 1 if keep else chunk_rows  # whole forward chunks: the recomputed gradient is the same
         grad_rows = x.new_empty(x.shape, dtype=rows_dtype) if ctx.needs[0] else None
         grad_w_t = x.new_zeros(x.shape[1], width, dtype=scale.dtype) if ctx.needs[1] else None  # [H, Vd]
