@@ -34,12 +34,15 @@ def _load() -> None:
     from eagle3_hf import generation as _generation  # registers `bind_target`
     from eagle3_hf.modeling import configuration_eagle3, modeling_eagle3
 
-    AutoConfig.register(configuration_eagle3.Eagle3DraftConfig.model_type, configuration_eagle3.Eagle3DraftConfig,
-                        exist_ok=True)  # fmt: skip
+    AutoConfig.register(
+        configuration_eagle3.Eagle3DraftConfig.model_type, configuration_eagle3.Eagle3DraftConfig, exist_ok=True
+    )
     AutoModel.register(configuration_eagle3.Eagle3DraftConfig, modeling_eagle3.Eagle3DraftModel, exist_ok=True)
-    modules = {"eagle3_hf.modeling.configuration_eagle3": configuration_eagle3,
-               "eagle3_hf.modeling.modeling_eagle3": modeling_eagle3,
-               "eagle3_hf.generation.decoding": _generation.decoding}  # fmt: skip
+    modules = {
+        "eagle3_hf.modeling.configuration_eagle3": configuration_eagle3,
+        "eagle3_hf.modeling.modeling_eagle3": modeling_eagle3,
+        "eagle3_hf.generation.decoding": _generation.decoding,
+    }
     globals().update({name: getattr(modules[module], name) for name, module in _PUBLIC.items()})
 
 

@@ -33,7 +33,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("eagle3_hf.commands.generate", "generate with a target and its EAGLE-3 draft"),
     "bench": ("eagle3_hf.commands.bench", "benchmark EAGLE-3 against the fastest plain decoding (fp32 and bf16)"),
     "convert": (
-        "eagle3_hf.commands.convert", "convert a draft checkpoint between native, speculators and official layouts"
+        "eagle3_hf.commands.convert",
+        "convert a draft checkpoint between native, speculators and official layouts",
     ),
 }
 # Errors that come from what the user typed or has installed: one line, exit code 2.
@@ -55,10 +56,11 @@ def version_line() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand's own options are added only when it runs (cheap `--help`)."""
     parser = CommandParser(
-        prog="eagle3-hf", description="EAGLE-3 speculative decoding for transformers.",
+        prog="eagle3-hf",
+        description="EAGLE-3 speculative decoding for transformers.",
         epilog=f"Run `eagle3-hf COMMAND --help` for a command's options. {DEBUG_FLAG} (anywhere) shows the traceback "
-               "of an error instead of one line.",
-    )  # fmt: skip
+        "of an error instead of one line.",
+    )
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
@@ -156,8 +158,11 @@ def _run(argv: list[str]) -> int:
     except Exception as err:  # a bug rather than bad input: still one line, and how to see more
         if debug:
             raise
-        print(f"eagle3-hf {command}: error: {type(err).__name__}: {_one_line(err)} (run again with {DEBUG_FLAG} "
-              "for the traceback)", file=sys.stderr)  # fmt: skip
+        print(
+            f"eagle3-hf {command}: error: {type(err).__name__}: {_one_line(err)} (run again with {DEBUG_FLAG} "
+            "for the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -27,8 +27,10 @@ def check_draft_option(target_name: str, draft: str | None) -> None:
     elif os.path.exists(draft):
         raise ValueError(f"--draft {draft!r} is a file; expected a draft folder (holding config.json).")
     elif not is_hub_id(draft):
-        raise ValueError(f"--draft {draft!r}: no such folder, shipped draft or Hub id 'org/name' ("
-                         f"{unknown_draft_hint(draft, (RANDOM_DRAFT, LOOKUP_DRAFT))}).")  # fmt: skip
+        raise ValueError(
+            f"--draft {draft!r}: no such folder, shipped draft or Hub id 'org/name' ("
+            f"{unknown_draft_hint(draft, (RANDOM_DRAFT, LOOKUP_DRAFT))})."
+        )
 
 
 def load_draft_for(target_name: str, target: Any, draft: str | None = None) -> Any:

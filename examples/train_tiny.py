@@ -33,9 +33,15 @@ def make_tiny_target(vocab_size: int = VOCAB, seed: int = 0) -> LlamaForCausalLM
     """A random 8-layer Llama (hidden 32) with a sharpened head, in eval mode."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=vocab_size, max_position_embeddings=256, pad_token_id=0,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     target = LlamaForCausalLM(config)
     with torch.no_grad():
         target.lm_head.weight.mul_(40.0)  # logits with std ~3, so the target has clear preferences
@@ -52,8 +58,14 @@ def synthetic_dataset(
         start = int(torch.randint(1, vocab_size, (1,), generator=generator))
         step = int(torch.randint(1, 4, (1,), generator=generator))
         ids = [1 + (start + step * t) % (vocab_size - 1) for t in range(seq_len)]
-        rows.append({"id": str(i), "input_ids": ids, "loss_mask": [0] * prompt_len + [1] * (seq_len - prompt_len),
-                     "attention_mask": [1] * seq_len})  # fmt: skip
+        rows.append(
+            {
+                "id": str(i),
+                "input_ids": ids,
+                "loss_mask": [0] * prompt_len + [1] * (seq_len - prompt_len),
+                "attention_mask": [1] * seq_len,
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -71,8 +83,12 @@ def tiny_sharegpt(num: int = 12) -> list[dict]:
         a, b = i % 5, (2 * i + 1) % 5
         question = f"what is {_WORDS[a]} plus {_WORDS[b]}?"
         answer = f"{_WORDS[a]} plus {_WORDS[b]} is {_WORDS[a + b]}. anything else?"
-        records.append({"id": f"sum-{i}", "conversations": [{"from": "human", "value": question},
-                                                            {"from": "gpt", "value": answer}]})  # fmt: skip
+        records.append(
+            {
+                "id": f"sum-{i}",
+                "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
+            }
+        )
     return records
 
 
@@ -86,8 +102,12 @@ def write_tiny_chat_target(folder: str) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     corpus = [t["value"] for r in tiny_sharegpt(50) for t in r["conversations"]] + ["user assistant system"]
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    tokenizer.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
@@ -130,13 +150,24 @@ def main(argv: list[str] | None = None) -> int:
         precompute_features(target, dataset, folder, dtype=torch.float32, shard_size=8)
         train_dataset, mode = OfflineFeatureDataset(folder), "offline"
     training_args = Eagle3TrainingArguments(
-        output_dir=args.output, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=args.learning_rate, warmup_steps=0, lr_scheduler_type="constant", logging_steps=10,
-        save_strategy="no", report_to="none", ttt_length=args.ttt_length, feature_mode=mode, seed=0,
-        disable_tqdm=True, use_cpu=True,  # a CPU example: also under torchrun on a GPU machine (gloo)
-    )  # fmt: skip
-    trainer = Eagle3Trainer(draft, training_args, target=target if mode == "online" else None,
-                            train_dataset=train_dataset)  # fmt: skip
+        output_dir=args.output,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        ttt_length=args.ttt_length,
+        feature_mode=mode,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,  # a CPU example: also under torchrun on a GPU machine (gloo)
+    )
+    trainer = Eagle3Trainer(
+        draft, training_args, target=target if mode == "online" else None, train_dataset=train_dataset
+    )
     trainer.train()
     trainer.save_model(args.output)
     trainer.save_state()
@@ -144,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     last = next((log for log in reversed(trainer.state.log_history) if "acc_0" in log), {})
     if trainer.is_world_process_zero():
         summary = {k: v for k, v in last.items() if k.startswith(("acc_", "sim_", "loss", "coverage"))}
-        summary.update(data_coverage=round(vocab.coverage, 4), in_sync=in_sync,
-                       world_size=training_args.world_size, steps=trainer.state.global_step)  # fmt: skip
+        summary.update(
+            data_coverage=round(vocab.coverage, 4),
+            in_sync=in_sync,
+            world_size=training_args.world_size,
+            steps=trainer.state.global_step,
+        )
         print(json.dumps(summary))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # Tear the process group down before the interpreter exits: gloo's threads aborting at exit

@@ -77,27 +77,66 @@ def accelerate_config(parallel: str, processes: int) -> str:
     return text + (ACCELERATE_FSDP if parallel == "fsdp" else "")
 
 
-def launch_command(args: argparse.Namespace, work: pathlib.Path, output: pathlib.Path,
-                   target: pathlib.Path, data: pathlib.Path) -> list[str]:  # fmt: skip
-    train = ["train", "--target", str(target), "--data", str(data), "--output", str(output), "--max-steps", "2",
-             "--ttt-length", "2", "--draft-vocab-size", "64", "--save-steps", "1", "--logging-steps", "1"]  # fmt: skip
+def launch_command(
+    args: argparse.Namespace, work: pathlib.Path, output: pathlib.Path, target: pathlib.Path, data: pathlib.Path
+) -> list[str]:
+    train = [
+        "train",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--output",
+        str(output),
+        "--max-steps",
+        "2",
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--save-steps",
+        "1",
+        "--logging-steps",
+        "1",
+    ]
     if args.launcher == "torchrun":
         if args.parallel == "fsdp":
             train += ["--fsdp", "full_shard auto_wrap"]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.processes),
-                "--master_port", str(free_port()), "-m", "eagle3_hf.cli", *train]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(args.processes),
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "eagle3_hf.cli",
+            *train,
+        ]
     # accelerate: the parallelism comes from its config file, as `accelerate config` writes it.
     config = work / f"accelerate_{args.parallel}.yaml"
     config.write_text(accelerate_config(args.parallel, args.processes))
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
-            str(free_port()), "-m", "eagle3_hf.cli", *train]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "eagle3_hf.cli",
+        *train,
+    ]
 
 
 def run_once(command: list[str], env: dict[str, str], cwd: pathlib.Path, timeout: int) -> tuple[int | None, str]:
     """``(exit code, stderr)`` of one launch; ``None`` for a run that hung (its whole process group is killed)."""
     # A session of its own: on a hang the launcher's workers go with it rather than linger.
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                               cwd=cwd, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
     try:
         _, stderr = process.communicate(timeout=timeout)
         return process.returncode, stderr
@@ -124,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # One thread per process (a shared CPU), and this checkout's package whatever an installed copy says.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     failures = 0
     with tempfile.TemporaryDirectory(prefix="fsdp_exit_loop_") as tmp:
         work = pathlib.Path(tmp)

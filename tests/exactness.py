@@ -65,8 +65,15 @@ def fp32_scorer(target: nn.Module) -> nn.Module:
     return _scorers[target]
 
 
-def assert_near_ties(target, prompt: torch.Tensor, reference: list[int], other: list[int], probe: ProbeResult,
-                     label: str = "", scorer: nn.Module | None = None) -> dict | None:  # fmt: skip
+def assert_near_ties(
+    target,
+    prompt: torch.Tensor,
+    reference: list[int],
+    other: list[int],
+    probe: ProbeResult,
+    label: str = "",
+    scorer: nn.Module | None = None,
+) -> dict | None:
     """The near-tie case's promise for one greedy output: the probe names the op that breaks exactness, and where
     `other` (a continuation of `prompt` `[1, P]`) leaves `reference`, the fp32 target's top-2 margin there is below
     `NEAR_TIE_ULPS` ulps of `target`'s precision. Returns the divergence (None when the outputs agree)."""

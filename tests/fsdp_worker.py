@@ -20,12 +20,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from trainer_callbacks import StopAt
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.distributed import fsdp_memory_per_process, is_fsdp2_module, parameter_bytes
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
-from trainer_callbacks import StopAt
 
 ROOT = pathlib.Path(__file__).parents[1]
 _spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
@@ -38,11 +38,21 @@ SHARDED = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"state_dict_type": "S
 def training_args(output_dir, **overrides):
     """The arguments test_fsdp.py also uses for its one-process run (there accumulating 2 micro-batches a step)."""
     values = dict(
-        output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-        learning_rate=1e-2, ttt_length=3,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="steps", save_steps=2, seed=0,
-        report_to="none", disable_tqdm=True, use_cpu=True,
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        learning_rate=1e-2,
+        ttt_length=3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        seed=0,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+    )
     values.update(overrides)
     return Eagle3TrainingArguments(**values)
 
@@ -64,8 +74,14 @@ def run_training(out: pathlib.Path) -> dict:
 
     def trainer(folder, callbacks=(), **overrides):
         args = training_args(folder, **overrides)
-        return Eagle3Trainer(new_draft(target, dataset), args, target=target, train_dataset=dataset,
-                             eval_dataset=dataset.select(range(4)), callbacks=list(callbacks))  # fmt: skip
+        return Eagle3Trainer(
+            new_draft(target, dataset),
+            args,
+            target=target,
+            train_dataset=dataset,
+            eval_dataset=dataset.select(range(4)),
+            callbacks=list(callbacks),
+        )
 
     whole = trainer(out / "A")
     summary["target_bytes"] = parameter_bytes(whole.target)  # (this process's shard, unsharded)
@@ -103,8 +119,7 @@ def run_training(out: pathlib.Path) -> dict:
 def run_depth(out: pathlib.Path) -> dict:
     target, dataset = tiny.make_tiny_target(), tiny.synthetic_dataset()
     args = training_args(out, max_steps=3, save_strategy="no")
-    trainer = Eagle3Trainer(new_draft(target, dataset, num_hidden_layers=2), args, target=target,
-                            train_dataset=dataset)  # fmt: skip
+    trainer = Eagle3Trainer(new_draft(target, dataset, num_hidden_layers=2), args, target=target, train_dataset=dataset)
     trainer.train()
     return {"losses": losses(trainer), "units": [is_fsdp2_module(layer) for layer in trainer.model.draft_layers()]}
 

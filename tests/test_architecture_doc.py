@@ -237,4 +237,3 @@ def test_an_init_is_listed_exactly_when_it_holds_code_of_its_own(tmp_path):
         "eagle3_hf/commands/__init__.py is missing from docs/architecture.md: add '- `__init__.py`: what it holds' "
         "under `eagle3_hf/commands/`",
     ]
-

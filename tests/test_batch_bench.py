@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from test_benchmark import _tiny_target
+from test_cli import assert_clean_error, run
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.bench.batch import format_batch_table, left_padded_batches, run_batch_benchmark
-from test_benchmark import _tiny_target
-from test_cli import assert_clean_error, run
 
 
 def test_batches_are_left_padded_groups_cycled_to_fill():
@@ -15,7 +15,7 @@ def test_batches_are_left_padded_groups_cycled_to_fill():
     assert len(batches) == 1  # 3 prompts make one full batch of 2
     ids, mask = batches[0]
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    (ids, mask), = left_padded_batches(prompts, 4, pad_id=1)  # fewer prompts than rows: cycled
+    ((ids, mask),) = left_padded_batches(prompts, 4, pad_id=1)  # fewer prompts than rows: cycled
     assert ids[:, -1].tolist() == [7, 8, 10, 7] and int(mask.sum()) == 3 + 1 + 2 + 3
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
         left_padded_batches(prompts, 0, pad_id=0)
@@ -26,15 +26,25 @@ def test_tiny_batched_benchmark_compares_rows_with_plain():
     draft = Eagle3DraftModel.from_target(target).eval()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 24, (1, n), generator=generator) for n in (4, 9, 6, 7)]
-    report = run_batch_benchmark({torch.float32: target}, draft, torch.float32, prompts, [1, 2, 4], max_new_tokens=8,
-                                 tree_kwargs={"adaptive_tree": False}, repeats=1, pad_id=0)  # fmt: skip
+    report = run_batch_benchmark(
+        {torch.float32: target},
+        draft,
+        torch.float32,
+        prompts,
+        [1, 2, 4],
+        max_new_tokens=8,
+        tree_kwargs={"adaptive_tree": False},
+        repeats=1,
+        pad_id=0,
+    )
     assert list(report["batch_sizes"]) == ["1", "2", "4"]
     for size, entry in report["batch_sizes"].items():
         assert set(entry["tokens_per_s"]) == {"plain_fp32", "eagle3_tree_fp32"}
         assert entry["rows_identical_to_plain"] == "4/4"  # fp32 greedy is lossless, row by row
         assert entry["batches"] == 4 // int(size)
-        assert entry["vs_fastest_plain"] == pytest.approx(entry["tokens_per_s"]["eagle3_tree_fp32"] /
-                                                          entry["tokens_per_s"]["plain_fp32"])  # fmt: skip
+        assert entry["vs_fastest_plain"] == pytest.approx(
+            entry["tokens_per_s"]["eagle3_tree_fp32"] / entry["tokens_per_s"]["plain_fp32"]
+        )
     table = format_batch_table(report).splitlines()
     assert len(table) == 2 + 3 and table[0].startswith("| batch | `plain_fp32` tokens/s")
     assert table[3].startswith("| 2 | ") and table[3].endswith(" | 4/4 |")

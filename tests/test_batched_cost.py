@@ -10,8 +10,9 @@ PROBS = torch.tensor([0.8, 0.6, 0.45, 0.3, 0.2, 0.15, 0.1, 0.08, 0.05, 0.04, 0.0
 
 
 def model(rows, a=1.0, b=0.02):
-    return CycleCostModel(verify=LinearCost(prior_a=a, prior_b=b), draft_step=LinearCost(prior_a=0.05, prior_b=0.0),
-                          rows=rows)  # fmt: skip
+    return CycleCostModel(
+        verify=LinearCost(prior_a=a, prior_b=b), draft_step=LinearCost(prior_a=0.05, prior_b=0.0), rows=rows
+    )
 
 
 def test_trees_shrink_as_the_batch_grows_then_plain_steps_win():

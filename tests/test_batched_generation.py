@@ -8,12 +8,23 @@ values and amount change nothing (it never reaches the target's attention or the
 
 import pytest
 import torch
+from test_generation import (
+    FAMILIES,
+    NEW,
+    TREES,
+    V,
+    eagle,
+    first_new_token_at,
+    letter_tokenizer,
+    make_pair,
+    plain,
+    smollm2,  # noqa: F401 (the SmolLM2 fixture)
+)
+from test_sampling import CHI2_CRITICAL_0001, REPEATING, N, chi_square, exact_law_of_tokens_2_and_3
+from test_sampling import TREES as SAMPLED_TREES  # noqa: F401 (models: the sampling fixture)
+from test_sampling import V as SV
 from transformers import TextStreamer
 
-from test_sampling import CHI2_CRITICAL_0001, N, REPEATING, chi_square, exact_law_of_tokens_2_and_3
-from test_sampling import TREES as SAMPLED_TREES, V as SV, models  # noqa: F401 (models: the sampling fixture)
-from test_generation import FAMILIES, NEW, TREES, V, eagle, first_new_token_at, letter_tokenizer, make_pair, plain
-from test_generation import smollm2  # noqa: F401 (the SmolLM2 fixture)
 from eagle3_hf.generation import drafting, target_cache
 
 LENGTHS = (3, 7, 12, 20)
@@ -55,8 +66,15 @@ def cases():
 def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
     target, draft, prompts, references = cases(family)
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                          return_dict_in_generate=True, **TREES[tree])  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        **TREES[tree],
+    )
     assert out.sequences.shape == (len(prompts), ids.shape[1] + NEW)
     for row, reference in enumerate(references):
         assert unpadded(out.sequences, mask, row) == reference[0].tolist(), f"row {row} ({LENGTHS[row]} tokens)"
@@ -72,23 +90,52 @@ def test_batched_greedy_matches_batch_one_eagle(cases):
     """A batch drafts each row's tree as the row alone (a batch of one) does: the same accepted lengths per cycle."""
     target, draft, prompts, _ = cases("llama")
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                          return_dict_in_generate=True, context_lookup=False, **TREES["wide"])  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        context_lookup=False,
+        **TREES["wide"],
+    )
     for row, prompt in enumerate(prompts):
-        one = eagle(target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, exact_verify=False,
-                    context_lookup=False, **TREES["wide"])  # fmt: skip
+        one = eagle(
+            target,
+            draft,
+            prompt,
+            max_new_tokens=NEW,
+            return_dict_in_generate=True,
+            exact_verify=False,
+            context_lookup=False,
+            **TREES["wide"],
+        )
         assert one.accept_lengths == out.accept_lengths[row]
 
 
-@pytest.mark.parametrize("processor", [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2),
-                                       dict(min_new_tokens=10, eos_token_id=3, pad_token_id=V - 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "processor",
+    [
+        dict(repetition_penalty=1.5),
+        dict(no_repeat_ngram_size=2),
+        dict(min_new_tokens=10, eos_token_id=3, pad_token_id=V - 1),
+    ],
+)
 def test_input_dependent_processors_see_each_rows_own_paths(cases, processor):
     target, draft, prompts, _ = cases("llama")
     ids, mask = left_padded(prompts)
     expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **processor)
     for tree in ("wide", "deep"):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                              **processor, **TREES[tree])  # fmt: skip
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=NEW,
+            **processor,
+            **TREES[tree],
+        )
         assert out.tolist() == expected.tolist(), tree
 
 
@@ -96,12 +143,19 @@ def test_left_padding_never_reaches_the_models(cases):
     """Other padding ids and more padding columns change nothing."""
     target, draft, prompts, _ = cases("mistral")
     ids, mask = left_padded(prompts)
-    expected = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                               **TREES["wide"])  # fmt: skip
+    expected = target.generate(
+        ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW, **TREES["wide"]
+    )
     for pad, extra in [(7, 0), (3, 5)]:
         other_ids, other_mask = left_padded(prompts, pad=pad, extra=extra)
-        out = target.generate(other_ids, attention_mask=other_mask, assistant_model=draft, do_sample=False,
-                              max_new_tokens=NEW, **TREES["wide"])  # fmt: skip
+        out = target.generate(
+            other_ids,
+            attention_mask=other_mask,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=NEW,
+            **TREES["wide"],
+        )
         assert out[:, other_ids.shape[1] :].tolist() == expected[:, ids.shape[1] :].tolist()
 
 
@@ -114,8 +168,9 @@ def test_rows_stop_at_their_own_eos_and_are_padded(cases, family, tree):
     ids, mask = left_padded(prompts)
     options = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=V - 1, do_sample=False)
     expected = target.generate(ids, attention_mask=mask, **options)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, return_dict_in_generate=True, **options,
-                          **TREES[tree])  # fmt: skip
+    out = target.generate(
+        ids, attention_mask=mask, assistant_model=draft, return_dict_in_generate=True, **options, **TREES[tree]
+    )
     assert out.sequences.tolist() == expected.tolist()
     lengths = {len(sizes) for sizes in out.tree_sizes}
     assert len(lengths) > 1 or expected.shape[1] < ids.shape[1] + NEW  # rows left the batch at different cycles
@@ -143,8 +198,10 @@ def test_stop_strings_without_eos_let_finished_rows_run_on(cases, tree):
     options.update(eos_token_id=V + 5, pad_token_id=V - 1)
     expected = target.generate(ids, attention_mask=mask, **options)
     assert (expected == V - 1).any()
-    assert target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES[tree]).tolist() == \
-        expected.tolist()  # fmt: skip
+    assert (
+        target.generate(ids, attention_mask=mask, assistant_model=draft, **options, **TREES[tree]).tolist()
+        == expected.tolist()
+    )
 
 
 def test_compacting_the_caches_changes_nothing(cases, monkeypatch):
@@ -200,10 +257,19 @@ def test_a_streamer_sees_what_plain_batched_generate_streams(cases, padded):
         k, _ = first_new_token_at(references[1], n, start=5)
         options = dict(stop_strings=[tokenizer.decode(references[1][0, n + k - 1 : n + k + 1])], tokenizer=tokenizer)
     ours, theirs = Collector(), Collector()
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, streamer=ours, max_new_tokens=NEW,
-                          do_sample=False, **options, **TREES["wide"])  # fmt: skip
-    expected = target.generate(ids, attention_mask=mask, streamer=theirs, max_new_tokens=NEW, do_sample=False,
-                               **options)  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        streamer=ours,
+        max_new_tokens=NEW,
+        do_sample=False,
+        **options,
+        **TREES["wide"],
+    )
+    expected = target.generate(
+        ids, attention_mask=mask, streamer=theirs, max_new_tokens=NEW, do_sample=False, **options
+    )
     assert out.tolist() == expected.tolist()
     assert ours.puts == theirs.puts and ours.ends == theirs.ends == 1
 
@@ -214,8 +280,9 @@ def test_a_text_streamer_is_refused_as_plain_generate_refuses_it(cases, tokenize
     with pytest.raises(ValueError, match="batch size 1") as plain_error:
         target.generate(ids, attention_mask=mask, streamer=TextStreamer(tokenizer), max_new_tokens=4)
     with pytest.raises(ValueError, match="batch size 1") as our_error:
-        target.generate(ids, attention_mask=mask, assistant_model=draft, streamer=TextStreamer(tokenizer),
-                        max_new_tokens=4)  # fmt: skip
+        target.generate(
+            ids, attention_mask=mask, assistant_model=draft, streamer=TextStreamer(tokenizer), max_new_tokens=4
+        )
     assert str(our_error.value) == str(plain_error.value)
 
 
@@ -228,12 +295,18 @@ def test_refuses_row_exact_verification(cases):
 
 def staggered_eos(sequences, prompt_length):
     """A token that the rows of `sequences` first emit at the most different steps (one row early, one never)."""
+
     def firsts(token):
         new = sequences[:, prompt_length:].tolist()
         return [row.index(token) if token in row else None for row in new]
 
-    return max(range(V - 1), key=lambda t: (None in firsts(t) and min(f for f in firsts(t) + [NEW] if f is not None)
-                                            < NEW // 2, len(set(firsts(t)))))  # fmt: skip
+    return max(
+        range(V - 1),
+        key=lambda t: (
+            None in firsts(t) and min(f for f in firsts(t) + [NEW] if f is not None) < NEW // 2,
+            len(set(firsts(t))),
+        ),
+    )
 
 
 @pytest.mark.parametrize("tree", ["wide", "deep"])
@@ -243,12 +316,18 @@ def test_batched_output_scores_and_logits_equal_plain_batched_generate(cases, tr
     `pad_token_id` (here one forward over its padded output)."""
     target, draft, prompts, _ = cases("llama")
     ids, mask = left_padded(prompts)
-    options = dict(max_new_tokens=NEW, pad_token_id=V - 1, do_sample=False, return_dict_in_generate=True,
-                   output_scores=True, output_logits=True, repetition_penalty=1.3)  # fmt: skip
+    options = dict(
+        max_new_tokens=NEW,
+        pad_token_id=V - 1,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        repetition_penalty=1.3,
+    )
     eos = staggered_eos(target.generate(ids, attention_mask=mask, **options).sequences, ids.shape[1])
     expected = target.generate(ids, attention_mask=mask, eos_token_id=eos, **options)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, eos_token_id=eos, **options,
-                          **TREES[tree])  # fmt: skip
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, eos_token_id=eos, **options, **TREES[tree])
     assert out.sequences.tolist() == expected.sequences.tolist()
     stops = [len(sizes) for sizes in out.tree_sizes]
     assert len(set(stops)) > 2 and min(stops) < NEW // 2  # rows left the batch at different cycles, one early
@@ -291,8 +370,15 @@ def test_batched_lookup_and_hybrid_greedy_equal_each_rows_plain_greedy(cases, fa
     prompts = repeating_prompts()
     ids, mask = left_padded(prompts)
     helper = ContextLookup().bind(target) if assistant == "lookup" else draft
-    out = target.generate(ids, attention_mask=mask, assistant_model=helper, do_sample=False, max_new_tokens=NEW,
-                          return_dict_in_generate=True, **({} if assistant == "lookup" else dict(context_lookup=True)))  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=helper,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        **({} if assistant == "lookup" else dict(context_lookup=True)),
+    )
     for row, prompt in enumerate(prompts):
         assert unpadded(out.sequences, mask, row) == plain(target, prompt, max_new_tokens=NEW)[0].tolist(), f"row {row}"
     assert len(out.accept_sources) == len(prompts)  # per row, per cycle
@@ -307,8 +393,15 @@ def test_batched_hybrid_rows_are_the_rows_alone(cases):
     target, draft, _, _ = cases("llama")
     prompts = repeating_prompts()
     ids, mask = left_padded(prompts)
-    options = dict(do_sample=False, max_new_tokens=NEW, return_dict_in_generate=True, context_lookup=True,
-                   lookup_confidence=1.0, exact_verify=False, **TREES["wide"])  # fmt: skip
+    options = dict(
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        context_lookup=True,
+        lookup_confidence=1.0,
+        exact_verify=False,
+        **TREES["wide"],
+    )
     out = target.generate(ids, attention_mask=mask, assistant_model=draft, **options)
     for row, prompt in enumerate(prompts):
         alone = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft, **options)
@@ -343,9 +436,19 @@ def test_batched_sampling_follows_each_rows_target_law(models, tree):
     torch.manual_seed(2000 + list(SAMPLED_TREES).index(tree))
     cycles = []
     for _ in range(N):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=True, top_k=0,
-                              temperature=0.7, top_p=0.9, max_new_tokens=3, adaptive_tree=False,
-                              return_dict_in_generate=True, **SAMPLED_TREES[tree])  # fmt: skip
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            do_sample=True,
+            top_k=0,
+            temperature=0.7,
+            top_p=0.9,
+            max_new_tokens=3,
+            adaptive_tree=False,
+            return_dict_in_generate=True,
+            **SAMPLED_TREES[tree],
+        )
         for row in range(len(prompts)):
             _, x2, x3 = out.sequences[row, ids.shape[1] :].tolist()
             counts[row, x2, x3] += 1
@@ -373,9 +476,20 @@ def test_batched_sampling_with_lookup_proposals_follows_each_rows_target_law(mod
     torch.manual_seed(3000 + ["T1", "T0.7-top_p0.9"].index(setting))
     lookup_accepted = draft_accepted = 0
     for _ in range(N):
-        out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=True, top_k=0,
-                              max_new_tokens=3, adaptive_tree=False, return_dict_in_generate=True, context_lookup=True,
-                              lookup_confidence=1.0, **options, **SAMPLED_TREES["tree"])  # fmt: skip
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=draft,
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=3,
+            adaptive_tree=False,
+            return_dict_in_generate=True,
+            context_lookup=True,
+            lookup_confidence=1.0,
+            **options,
+            **SAMPLED_TREES["tree"],
+        )
         for row in range(len(prompts)):
             _, x2, x3 = out.sequences[row, ids.shape[1] :].tolist()
             counts[row, x2, x3] += 1
@@ -401,14 +515,31 @@ def test_smollm2_batch_greedy_matches_each_rows_plain_greedy(smollm2):
 
     target, _, tokenizer = smollm2
     draft = load_draft_for(SMOLLM2, target)
-    questions = ["Name three colours.", "Write a short poem about the sea and the wind, in four lines.",
-                 "What is 12 times 7? Explain the steps."]  # fmt: skip
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"] for q in questions]
+    questions = [
+        "Name three colours.",
+        "Write a short poem about the sea and the wind, in four lines.",
+        "What is 12 times 7? Explain the steps.",
+    ]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        for q in questions
+    ]
     ids, mask = left_padded(prompts, pad=tokenizer.pad_token_id or 0)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=32,
-                          pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True, adaptive_tree=False,
-                          tree_depth=4, tree_top_k=4, tree_total_tokens=12)  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=32,
+        pad_token_id=tokenizer.pad_token_id,
+        return_dict_in_generate=True,
+        adaptive_tree=False,
+        tree_depth=4,
+        tree_top_k=4,
+        tree_total_tokens=12,
+    )
     for row, prompt in enumerate(prompts):
         alone = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32)
         mine = unpadded(out.sequences, mask, row)
@@ -427,8 +558,14 @@ def test_where_trees_do_not_pay_the_batch_runs_plain_batched_steps(cases, monkey
     monkeypatch.setattr(CycleCostModel, "for_device", staticmethod(dear))
     target, draft, prompts, references = cases("qwen2")
     ids, mask = left_padded(prompts)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, max_new_tokens=NEW,
-                          return_dict_in_generate=True)  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+    )
     assert all(size == 1 for sizes in out.tree_sizes for size in sizes)
     for row, reference in enumerate(references):
         assert unpadded(out.sequences, mask, row) == reference[0].tolist()

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel
+from eagle3_hf.bench.cards import format_rates
 from eagle3_hf.bench.runner import (
     acceptance_by_depth,
     bench_configs,
@@ -18,7 +19,6 @@ from eagle3_hf.bench.runner import (
     read_prompts,
     run_benchmark,
 )
-from eagle3_hf.bench.cards import format_rates
 
 
 def test_acceptance_by_depth_hand_computed():
@@ -40,8 +40,12 @@ class _Template:
 def test_read_prompts_formats_and_errors(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text(
-        json.dumps({"turns": ["one two", "later"]}) + "\n" + json.dumps({"prompt": "three four five"}) + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "six"}]}) + "\n"
+        json.dumps({"turns": ["one two", "later"]})
+        + "\n"
+        + json.dumps({"prompt": "three four five"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "six"}]})
+        + "\n"
     )
     prompts = read_prompts(str(path), _Template(), None)
     assert [p.shape[1] for p in prompts] == [2, 3, 1]
@@ -58,9 +62,17 @@ def test_read_prompts_formats_and_errors(tmp_path):
 def _tiny_target(vocab=24):
     torch.manual_seed(0)
     return LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=vocab, eos_token_id=None, bos_token_id=None)
-    ).eval()  # fmt: skip
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=vocab,
+            eos_token_id=None,
+            bos_token_id=None,
+        )
+    ).eval()
 
 
 def test_plain_bf16_is_left_out_where_the_cpu_emulates_it():
@@ -89,16 +101,23 @@ def test_tiny_benchmark_reports_every_configuration():
     prompts = [torch.randint(3, 24, (1, 6)) for _ in range(2)]
     configs = bench_configs(torch.float32, ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree"), (torch.float32,))
     report = run_benchmark(
-        {torch.float32: target}, {torch.float32: draft}, prompts, configs, max_new_tokens=12,
-        tree_kwargs={"adaptive_tree": False}, repeats=2,
-    )  # fmt: skip
+        {torch.float32: target},
+        {torch.float32: draft},
+        prompts,
+        configs,
+        max_new_tokens=12,
+        tree_kwargs={"adaptive_tree": False},
+        repeats=2,
+    )
     names = ["plain_fp32", "prompt_lookup_fp32", "eagle3_chain_fp32", "eagle3_tree_fp32"]
     assert report["configurations"] == names and list(report["tokens_per_s"]) == names
     assert all(len(report["tokens_per_s_by_repeat"][n]) == 2 for n in names)
     for n in names:  # the median of two repeats is their mean
         assert report["tokens_per_s"][n] == pytest.approx(sum(report["tokens_per_s_by_repeat"][n]) / 2)
     assert report["fastest_plain"] == "plain_fp32"
-    assert report["speedup"] == pytest.approx(report["tokens_per_s"]["eagle3_tree_fp32"] / report["tokens_per_s"]["plain_fp32"])
+    assert report["speedup"] == pytest.approx(
+        report["tokens_per_s"]["eagle3_tree_fp32"] / report["tokens_per_s"]["plain_fp32"]
+    )
     assert report["speedup_same_precision"] == pytest.approx(report["speedup"])  # one plain precision only
     assert report["identical"] == 1.0 and report["identical_eagle3_chain"] == 1.0  # fp32 greedy is lossless
     assert report["divergences"] == []
@@ -119,8 +138,13 @@ def test_tiny_benchmark_reports_every_configuration():
         cycles = report["tokens"][m] / b["tokens_per_cycle"]
         total_ms = (b["draft"] + b["verify"] + b["other"]) * cycles + b["prefill_per_prompt"] * 2 * len(prompts)
         assert total_ms == pytest.approx(1000 * report["seconds"][m], rel=1e-6)
-    chain_only = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts[:1],
-                               bench_configs(torch.float32, ("eagle3_chain",)), max_new_tokens=4)  # fmt: skip
+    chain_only = run_benchmark(
+        {torch.float32: target},
+        {torch.float32: draft},
+        prompts[:1],
+        bench_configs(torch.float32, ("eagle3_chain",)),
+        max_new_tokens=4,
+    )
     row = format_table(chain_only).splitlines()[1].split()
     assert row == ["eagle3_chain_fp32", f"{chain_only['tokens_per_s']['eagle3_chain_fp32']:.2f}", "-"]  # no plain
     with pytest.raises(ValueError, match=r"No target or draft given for precision\(s\) \['torch.bfloat16'\]"):
@@ -132,13 +156,26 @@ def test_lookup_methods_report_their_sources_and_the_best_prompt_lookup():
     draft = Eagle3DraftModel.from_target(target).eval()
     phrase = torch.randint(3, 24, (5,), generator=torch.Generator().manual_seed(0))
     prompts = [torch.cat([phrase] * 3)[None]]  # repeats, so that the lookups fire
-    configs = bench_configs(torch.float32, ("plain", "prompt_lookup_sweep", "hybrid_tree", "lookup_tree"),
-                            (torch.float32,))  # fmt: skip
-    names = ["plain_fp32", "prompt_lookup3_fp32", "prompt_lookup5_fp32", "prompt_lookup10_fp32", "hybrid_tree_fp32",
-             "lookup_tree_fp32"]  # fmt: skip
+    configs = bench_configs(
+        torch.float32, ("plain", "prompt_lookup_sweep", "hybrid_tree", "lookup_tree"), (torch.float32,)
+    )
+    names = [
+        "plain_fp32",
+        "prompt_lookup3_fp32",
+        "prompt_lookup5_fp32",
+        "prompt_lookup10_fp32",
+        "hybrid_tree_fp32",
+        "lookup_tree_fp32",
+    ]
     assert [c.name for c in configs] == names
-    report = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts, configs, max_new_tokens=12,
-                           tree_kwargs={"adaptive_tree": False})  # fmt: skip
+    report = run_benchmark(
+        {torch.float32: target},
+        {torch.float32: draft},
+        prompts,
+        configs,
+        max_new_tokens=12,
+        tree_kwargs={"adaptive_tree": False},
+    )
     assert report["identical_hybrid_tree"] == report["identical_lookup_tree"] == 1.0
     assert report["best_prompt_lookup"] in names[1:4]
     best = report["tokens_per_s"][report["best_prompt_lookup"]]
@@ -151,8 +188,9 @@ def test_lookup_methods_report_their_sources_and_the_best_prompt_lookup():
     assert set(report["tau_by_method"]) == set(sources)
     assert "fastest prompt lookup" in format_table(report)
     # the lookup tree needs no draft
-    alone = run_benchmark({torch.float32: target}, {}, prompts, bench_configs(torch.float32, ("lookup_tree",)),
-                          max_new_tokens=4)  # fmt: skip
+    alone = run_benchmark(
+        {torch.float32: target}, {}, prompts, bench_configs(torch.float32, ("lookup_tree",)), max_new_tokens=4
+    )
     assert alone["tokens"]["lookup_tree_fp32"] == 4
 
 
@@ -180,11 +218,18 @@ def test_a_forced_divergence_is_reported_with_the_fp32_margin():
     # The benchmark reports each diverging run with its prompt and repeat.
     from eagle3_hf.bench.runner import ConfigResult, _add_divergences
 
-    results = {"plain_fp32": ConfigResult(outputs=[[reference, reference]]),
-               "eagle3_tree_fp32": ConfigResult(outputs=[[reference, other]])}  # fmt: skip
+    results = {
+        "plain_fp32": ConfigResult(outputs=[[reference, reference]]),
+        "eagle3_tree_fp32": ConfigResult(outputs=[[reference, other]]),
+    }
     report = {}
-    _add_divergences(report, results, bench_configs(torch.float32, ("plain", "eagle3_tree"), (torch.float32,)),
-                     [prompt, prompt], {torch.float32: target})  # fmt: skip
+    _add_divergences(
+        report,
+        results,
+        bench_configs(torch.float32, ("plain", "eagle3_tree"), (torch.float32,)),
+        [prompt, prompt],
+        {torch.float32: target},
+    )
     assert report["identical"] == 0.5
     assert [(x["prompt"], x["repeat"], x["position"]) for x in report["divergences"]] == [(1, 0, 3)]
     assert "prompt 1 (repeat 0) diverges at token 3" in format_table({"tokens_per_s": {}, **report})
@@ -192,7 +237,8 @@ def test_a_forced_divergence_is_reported_with_the_fp32_margin():
 
 def test_bench_command_lists_the_benchmark_methods():
     from eagle3_hf.bench.runner import DEFAULT_METHODS, METHODS
-    from eagle3_hf.commands.bench import DEFAULT_METHODS as DEFAULTS, METHODS as CHOICES
+    from eagle3_hf.commands.bench import DEFAULT_METHODS as DEFAULTS
+    from eagle3_hf.commands.bench import METHODS as CHOICES
 
     assert CHOICES == METHODS and DEFAULTS == DEFAULT_METHODS
 
@@ -218,21 +264,37 @@ def test_bf16_flips_happen_only_at_near_ties():
 
     torch.manual_seed(5)
     target = LlamaForCausalLM(
-        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=300, eos_token_id=None, bos_token_id=None,
-                    initializer_range=0.2)
-    ).eval()  # fmt: skip
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            eos_token_id=None,
+            bos_token_id=None,
+            initializer_range=0.2,
+        )
+    ).eval()
     low = cast_weights(copy.deepcopy(target), torch.bfloat16)
-    drafts = {torch.bfloat16: Eagle3DraftModel.from_target(low).eval(),
-              torch.float32: Eagle3DraftModel.from_target(target).eval()}  # fmt: skip
+    drafts = {
+        torch.bfloat16: Eagle3DraftModel.from_target(low).eval(),
+        torch.float32: Eagle3DraftModel.from_target(target).eval(),
+    }
     prompts = [torch.randint(3, 300, (1, 8)) for _ in range(4)]
     targets = {torch.float32: target, torch.bfloat16: low}
     reports = {
-        dtype: run_benchmark(targets, drafts, prompts, bench_configs(dtype, ("plain", "eagle3_tree"), plain_dtypes=()),
-                             max_new_tokens=24, tree_kwargs={"adaptive_tree": False, "exact_verify": False},
-                             warmup_tokens=2)
+        dtype: run_benchmark(
+            targets,
+            drafts,
+            prompts,
+            bench_configs(dtype, ("plain", "eagle3_tree"), plain_dtypes=()),
+            max_new_tokens=24,
+            tree_kwargs={"adaptive_tree": False, "exact_verify": False},
+            warmup_tokens=2,
+        )
         for dtype in (torch.float32, torch.bfloat16)
-    }  # fmt: skip
+    }
     assert reports[torch.float32]["identical"] == 1.0 and reports[torch.float32]["divergences"] == []
     flips = reports[torch.bfloat16]["divergences"]
     assert len(flips) == round(4 * (1 - reports[torch.bfloat16]["identical"]))  # one report per differing output
@@ -243,28 +305,54 @@ def test_markdown_table_states_what_the_numbers_were_measured_on():
     report = {
         "tokens_per_s": {"plain_fp32": 20.0, "plain_bf16": 25.0, "eagle3_tree_bf16": 30.0},
         "speedup_by_method": {"plain_fp32": 0.8, "plain_bf16": 1.0, "eagle3_tree_bf16": 1.2},
-        "fastest_plain": "plain_bf16", "speedup": 1.2, "speedup_same_precision": 1.2, "tau": 2.5,
-        "drafted_cycle_share": 0.5, "identical": 0.9,
+        "fastest_plain": "plain_bf16",
+        "speedup": 1.2,
+        "speedup_same_precision": 1.2,
+        "tau": 2.5,
+        "drafted_cycle_share": 0.5,
+        "identical": 0.9,
         "divergences": [{"margin_ulps": 0.6}, {"margin_ulps": 1.1}],
-        "environment": {"cpu": "Some Xeon", "machine": "x86_64", "cores": 2, "bf16_cpu_flags": ["amx_bf16"],
-                        "threads": 2, "torch": "2.13.0", "transformers": "5.24.0", "eagle3_hf": "0.1.0",
-                        "python": "3.11.9"},
-        "config": {"spec_dtype": "bf16", "prepacked": True, "num_prompts": 10, "max_new_tokens": 128,
-                   "repeats": 3, "prompts": "MT-bench turn 1, every 8th record"},
-    }  # fmt: skip
+        "environment": {
+            "cpu": "Some Xeon",
+            "machine": "x86_64",
+            "cores": 2,
+            "bf16_cpu_flags": ["amx_bf16"],
+            "threads": 2,
+            "torch": "2.13.0",
+            "transformers": "5.24.0",
+            "eagle3_hf": "0.1.0",
+            "python": "3.11.9",
+        },
+        "config": {
+            "spec_dtype": "bf16",
+            "prepacked": True,
+            "num_prompts": 10,
+            "max_new_tokens": 128,
+            "repeats": 3,
+            "prompts": "MT-bench turn 1, every 8th record",
+        },
+    }
     text = format_markdown(report)
     assert "| `eagle3_tree_bf16` | 30.00 | 1.20x |" in text and "| `plain_fp32` | 20.00 | 0.80x |" in text
-    for fact in ("Some Xeon (x86_64, 2 cores; bf16 units: amx_bf16), 2 threads", "Speculative precision: bf16",
-                 "10 (MT-bench turn 1, every 8th record) x 128 new tokens", "3 repeats", "torch 2.13.0",
-                 "transformers 5.24.0", "eagle3_hf 0.1.0", "1.20x the fastest plain configuration (`plain_bf16`)",
-                 "top-2 margins of 0.60-1.10 ulp"):  # fmt: skip
+    for fact in (
+        "Some Xeon (x86_64, 2 cores; bf16 units: amx_bf16), 2 threads",
+        "Speculative precision: bf16",
+        "10 (MT-bench turn 1, every 8th record) x 128 new tokens",
+        "3 repeats",
+        "torch 2.13.0",
+        "transformers 5.24.0",
+        "eagle3_hf 0.1.0",
+        "1.20x the fastest plain configuration (`plain_bf16`)",
+        "top-2 margins of 0.60-1.10 ulp",
+    ):
         assert fact in text, fact
 
 
 def test_bench_reports_the_row_invariance_probe():
+    from test_exact_attention import bf16_target
+
     from eagle3_hf.bench.report import format_markdown
     from eagle3_hf.bench.runner import row_exact_report
-    from test_exact_attention import bf16_target
 
     report = {"tokens_per_s": {"eagle3_tree_bf16": 1.0}, "row_exact": row_exact_report(bf16_target("llama"))}
     assert report["row_exact"]["identical"] and report["row_exact"]["first_difference"] is None

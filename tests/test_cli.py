@@ -39,8 +39,16 @@ def tiny(tmp_path_factory):
     """A tiny Llama target saved as a folder, and a native draft for it saved without its embedding."""
     root = tmp_path_factory.mktemp("cli")
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=96)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+        )
+    ).eval()
     target.save_pretrained(root / "target")
     target = LlamaForCausalLM.from_pretrained(root / "target").eval()  # records its architectures, as loaded ones do
     draft = Eagle3DraftModel.from_target(target)
@@ -63,8 +71,12 @@ def test_help_and_version_do_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
     for argv in (["--help"], ["train", "--help"], ["convert", "--help"], ["generate", "--help"], ["--version"]):
-        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "eagle3_hf.cli", *argv], capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "eagle3_hf.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         assert "| torch\n" not in done.stderr and "| transformers\n" not in done.stderr, argv
     version = subprocess.run([sys.executable, "-m", "eagle3_hf.cli", "--version"], capture_output=True, text=True)
@@ -72,23 +84,36 @@ def test_help_and_version_do_not_import_torch():
 
 
 # What a newcomer mistypes is answered by the command line itself, before torch or transformers load (seconds).
-_NO_TORCH = ("import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1:])\n"
-             "print('torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)")  # fmt: skip
+_NO_TORCH = (
+    "import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1:])\n"
+    "print('torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)"
+)
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["generate", "--target", "smolm2"], ["Unknown target 'smolm2'", "did you mean 'smollm2'?"]),
-    (["generate", "--target", "nosuchmodel"], ["Unknown target 'nosuchmodel'", "expected a short name ('smollm2')"]),
-    (["bench", "--target", "SmolLM-2"], ["did you mean 'smollm2'?"]),  # every command checks --target first
-    (["generate", "--draft", "smollm2-135m"], ["--draft 'smollm2-135m': no such folder, shipped draft or Hub id",
-                                               "did you mean 'smollm2-135m-instruct'?"]),
-    (["generate", "--draft", "randon"], ["or 'random', 'lookup'", "did you mean 'random'?"]),
-    (["generate", "--repeats", "0"], ["--repeats must be >= 1, got 0"]),
-    (["generate", "--repeat-tokens", "-2"], ["--repeat-tokens must be >= 1, got -2"]),
-    (["generate", "--corpus", "no/corpus.safetensors"], ["--corpus 'no/corpus.safetensors': no such file"]),
-    (["generate", "--corpus", "c.safetensors", "--no-corpus"], ["--corpus FILE and --no-corpus contradict"]),
-    (["bench", "--methods", "plain,corpus_tree"], ["--methods corpus_tree needs --corpus FILE"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["generate", "--target", "smolm2"], ["Unknown target 'smolm2'", "did you mean 'smollm2'?"]),
+        (
+            ["generate", "--target", "nosuchmodel"],
+            ["Unknown target 'nosuchmodel'", "expected a short name ('smollm2')"],
+        ),
+        (["bench", "--target", "SmolLM-2"], ["did you mean 'smollm2'?"]),  # every command checks --target first
+        (
+            ["generate", "--draft", "smollm2-135m"],
+            [
+                "--draft 'smollm2-135m': no such folder, shipped draft or Hub id",
+                "did you mean 'smollm2-135m-instruct'?",
+            ],
+        ),
+        (["generate", "--draft", "randon"], ["or 'random', 'lookup'", "did you mean 'random'?"]),
+        (["generate", "--repeats", "0"], ["--repeats must be >= 1, got 0"]),
+        (["generate", "--repeat-tokens", "-2"], ["--repeat-tokens must be >= 1, got -2"]),
+        (["generate", "--corpus", "no/corpus.safetensors"], ["--corpus 'no/corpus.safetensors': no such file"]),
+        (["generate", "--corpus", "c.safetensors", "--no-corpus"], ["--corpus FILE and --no-corpus contradict"]),
+        (["bench", "--methods", "plain,corpus_tree"], ["--methods corpus_tree needs --corpus FILE"]),
+    ],
+)
 def test_mistakes_are_answered_before_torch_loads(argv, fragments):
     done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout.strip() == "False False", done.stdout + done.stderr
@@ -99,8 +124,12 @@ def test_mistakes_are_answered_before_torch_loads(argv, fragments):
 
 
 def test_a_mistyped_command_gets_a_suggestion():
-    done = subprocess.run([sys.executable, "-m", "eagle3_hf.cli", "genrate", "--target", "smollm2"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "eagle3_hf.cli", "genrate", "--target", "smollm2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "unknown command 'genrate'; did you mean 'generate'? choose from regenerate," in done.stderr
     done = subprocess.run([sys.executable, "-m", "eagle3_hf.cli", "xyzzy"], capture_output=True, text=True)
@@ -119,9 +148,16 @@ def test_every_option_has_help_and_shows_its_default():
             if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 assert "default" in shown, f"eagle3-hf {command} {action.option_strings}: default not shown"
     text = " ".join(build_subparser("generate").format_help().split())
-    for fragment in ("--max-new-tokens MAX_NEW_TOKENS most new tokens of the streamed answer", "(default: 128)",
-                     "--device DEVICE torch device", "(default: cpu)", "(default: the draft shipped for the target)",
-                     "(default: 3)", "(default: 32)", "(default: all cores)"):  # fmt: skip
+    for fragment in (
+        "--max-new-tokens MAX_NEW_TOKENS most new tokens of the streamed answer",
+        "(default: 128)",
+        "--device DEVICE torch device",
+        "(default: cpu)",
+        "(default: the draft shipped for the target)",
+        "(default: 3)",
+        "(default: 32)",
+        "(default: all cores)",
+    ):
         assert fragment in text, fragment
     from eagle3_hf.commands.train import quick_help
 
@@ -188,14 +224,26 @@ def test_speculators_export_carries_identity_and_embedding(tmp_path, tiny, capsy
     draft.config.target_name_or_path = "mytarget"
     with pytest.raises(ValueError, match="'mytarget', which is neither a Hub id"):
         save_speculators(draft, tmp_path / "b")
-    assert run(capsys, "convert", root / "draft", tmp_path / "b", "--to", "speculators", "--target",
-               root / "target")[0] == 0  # fmt: skip
+    assert (
+        run(capsys, "convert", root / "draft", tmp_path / "b", "--to", "speculators", "--target", root / "target")[0]
+        == 0
+    )
     verifier = json.loads((tmp_path / "b" / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier == {"name_or_path": str(root / "target"), "architectures": ["LlamaForCausalLM"]}
     # The target in bfloat16: the exported embedding keeps the target's precision, the rest the draft's.
     LlamaForCausalLM.from_pretrained(root / "target", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    code, _, err = run(capsys, "convert", root / "draft", tmp_path / "spec", "--to", "speculators", "--target",
-                       tmp_path / "bf16", "--target-id", "tiny-org/tiny-llama")  # fmt: skip
+    code, _, err = run(
+        capsys,
+        "convert",
+        root / "draft",
+        tmp_path / "spec",
+        "--to",
+        "speculators",
+        "--target",
+        tmp_path / "bf16",
+        "--target-id",
+        "tiny-org/tiny-llama",
+    )
     assert code == 0, err
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     verifier = config["speculators_config"]["verifier"]
@@ -277,8 +325,23 @@ def test_bench_checks_plot_and_outputs_before_running(tmp_path, capsys, monkeypa
 
 def train(capsys, chat_target, out, *extra):
     folder, data = chat_target
-    return run(capsys, "train", "--target", folder, "--data", data, "--output", out, "--ttt-length", "2",
-               "--draft-vocab-size", "64", "--logging-steps", "1", *extra)  # fmt: skip
+    return run(
+        capsys,
+        "train",
+        "--target",
+        folder,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--logging-steps",
+        "1",
+        *extra,
+    )
 
 
 def test_train_never_overwrites_and_refuses_zero_steps(chat_target, tmp_path, capsys):
@@ -340,11 +403,39 @@ def test_two_processes_with_accelerate_launch_print_once(chat_target, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(port), "-m", "eagle3_hf.cli", "train", "--target", str(folder), "--data", str(data), "--output",
-               str(tmp_path / "run"), "--max-steps", "2", "--ttt-length", "2", "--draft-vocab-size", "64",
-               "--logging-steps", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+        "-m",
+        "eagle3_hf.cli",
+        "train",
+        "--target",
+        str(folder),
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "run"),
+        "--max-steps",
+        "2",
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--logging-steps",
+        "1",
+    ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)  # this checkout's package, from any folder
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -379,13 +470,15 @@ def test_tree_options_on_a_generation_config_and_other_methods_refused(tiny):
     config = GenerationConfig(tree_depth=2, tree_top_k=1, tree_total_tokens=3, adaptive_tree=False, **common)
     out = target.generate(ids, assistant_model=draft, generation_config=config, attention_mask=torch.ones_like(ids))
     assert set(out.tree_sizes) == {3}  # the config's tree, verified in full every cycle
-    out = target.generate(ids, assistant_model=draft, generation_config=config, tree_total_tokens=2,
-                          attention_mask=torch.ones_like(ids))  # fmt: skip
+    out = target.generate(
+        ids, assistant_model=draft, generation_config=config, tree_total_tokens=2, attention_mask=torch.ones_like(ids)
+    )
     assert set(out.tree_sizes) == {2}  # a call argument beats the config
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens asks for prompt-lookup decoding"):
         target.generate(ids, assistant_model=draft, prompt_lookup_num_tokens=3, max_new_tokens=2)
     with pytest.raises(ValueError, match="num_assistant_tokens sizes the chains .* pass tree_depth"):
         target.generate(ids, assistant_model=draft, num_assistant_tokens=4, max_new_tokens=2)
     with pytest.warns(UserWarning, match="num_assistant_tokens=4 is ignored by EAGLE-3 decoding"):
-        target.generate(ids, assistant_model=draft, generation_config=GenerationConfig(num_assistant_tokens=4,
-                                                                                       max_new_tokens=2))  # fmt: skip
+        target.generate(
+            ids, assistant_model=draft, generation_config=GenerationConfig(num_assistant_tokens=4, max_new_tokens=2)
+        )

@@ -21,19 +21,40 @@ from eagle3_hf.modeling.layouts import detect_layout, save_eagle, save_speculato
 
 V, VD, L = 1000, 200, 8  # target vocab, draft vocab, target depth
 STRUCTURAL_FIELDS = (
-    "vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
-    "attention_bias", "mlp_bias", "layer_type", "target_hidden_size", "target_layer_ids", "norm_before_residual",
-    "norm_before_fc", "fc_norm", "norm_output",
-)  # fmt: skip
+    "vocab_size",
+    "draft_vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "layer_type",
+    "target_hidden_size",
+    "target_layer_ids",
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+)
 
 
 def tiny_target(hidden=64, vocab=V, layers=L, seed=0):
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, rope_theta=500000.0,  # a θ the draft must NOT pick up
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        rope_theta=500000.0,  # a θ the draft must NOT pick up
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -128,10 +149,31 @@ def check_against_reference(draft, w, s):
 
 def spec(**overrides):
     s = dict(
-        layout="eagle", H=64, Ht=64, nh=4, nkv=2, d=16, I=128, Vd=VD, eps=1e-5, theta=None, linear=1.0,
-        head_dim_field=False, fc_norm=False, norm_before_fc=False, nbr=False, norm_output=False, qk_norm=False,
-        layer_type="llama", embed="none", fmt="safetensors", prefix="", taps=None, vocab_map=True, layers=1,
-    )  # fmt: skip
+        layout="eagle",
+        H=64,
+        Ht=64,
+        nh=4,
+        nkv=2,
+        d=16,
+        I=128,
+        Vd=VD,
+        eps=1e-5,
+        theta=None,
+        linear=1.0,
+        head_dim_field=False,
+        fc_norm=False,
+        norm_before_fc=False,
+        nbr=False,
+        norm_output=False,
+        qk_norm=False,
+        layer_type="llama",
+        embed="none",
+        fmt="safetensors",
+        prefix="",
+        taps=None,
+        vocab_map=True,
+        layers=1,
+    )
     s.update(overrides)
     return s
 
@@ -178,13 +220,19 @@ def draft_weights(s, target, seed=0):
         w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(d), norm(d)
     for i in range(1, s["layers"]):  # H-wide q/k/v and no hidden_norm above layer 0
         p = f"upper_layers.{i - 1}."
-        w.update({
-            p + "self_attn.q_proj.weight": lin(nh * d, H), p + "self_attn.k_proj.weight": lin(nkv * d, H),
-            p + "self_attn.v_proj.weight": lin(nkv * d, H), p + "self_attn.o_proj.weight": lin(H, nh * d),
-            p + "mlp.gate_proj.weight": lin(inter, H), p + "mlp.up_proj.weight": lin(inter, H),
-            p + "mlp.down_proj.weight": lin(H, inter), p + "input_layernorm.weight": norm(H),
-            p + "post_attention_layernorm.weight": norm(H),
-        })  # fmt: skip
+        w.update(
+            {
+                p + "self_attn.q_proj.weight": lin(nh * d, H),
+                p + "self_attn.k_proj.weight": lin(nkv * d, H),
+                p + "self_attn.v_proj.weight": lin(nkv * d, H),
+                p + "self_attn.o_proj.weight": lin(H, nh * d),
+                p + "mlp.gate_proj.weight": lin(inter, H),
+                p + "mlp.up_proj.weight": lin(inter, H),
+                p + "mlp.down_proj.weight": lin(H, inter),
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+            }
+        )
         if s["qk_norm"]:
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(d), norm(d)
     if s["vocab_map"]:
@@ -198,10 +246,18 @@ def draft_weights(s, target, seed=0):
 
 def layer_fields(s):
     c = {
-        "hidden_size": s["H"], "intermediate_size": s["I"], "num_attention_heads": s["nh"],
-        "num_key_value_heads": s["nkv"], "num_hidden_layers": s["layers"], "vocab_size": V, "rms_norm_eps": s["eps"],
-        "hidden_act": "silu", "max_position_embeddings": 2048, "pad_token_id": 0, "tie_word_embeddings": False,
-    }  # fmt: skip
+        "hidden_size": s["H"],
+        "intermediate_size": s["I"],
+        "num_attention_heads": s["nh"],
+        "num_key_value_heads": s["nkv"],
+        "num_hidden_layers": s["layers"],
+        "vocab_size": V,
+        "rms_norm_eps": s["eps"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
     if s["theta"] is not None:
         c["rope_theta"] = s["theta"]
     if s["linear"] != 1.0:
@@ -224,18 +280,27 @@ def external_config(s):
         return c
     layer = {"model_type": s["layer_type"], **layer_fields(s)}
     c = {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.4.0.1",
-        "draft_vocab_size": s["Vd"], "target_hidden_size": None if s["Ht"] == s["H"] else s["Ht"],
-        "eagle_aux_hidden_state_layer_ids": s["taps"], "embed_requires_grad": False,
-        "norm_before_residual": s["nbr"], "norm_before_fc": s["norm_before_fc"], "fc_norm": s["fc_norm"],
-        "norm_output": s["norm_output"], "transformer_layer_config": layer,
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.4.0.1",
+        "draft_vocab_size": s["Vd"],
+        "target_hidden_size": None if s["Ht"] == s["H"] else s["Ht"],
+        "eagle_aux_hidden_state_layer_ids": s["taps"],
+        "embed_requires_grad": False,
+        "norm_before_residual": s["nbr"],
+        "norm_before_fc": s["norm_before_fc"],
+        "fc_norm": s["fc_norm"],
+        "norm_output": s["norm_output"],
+        "transformer_layer_config": layer,
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
             "verifier": {"name_or_path": "tiny/llama", "architectures": ["LlamaForCausalLM"]},
         },
-    }  # fmt: skip
+    }
     return c
 
 
@@ -270,17 +335,36 @@ CASES = {
     "specforge": dict(
         fc_norm=True, head_dim_field=True, d=32, Ht=48, embed="own", theta=1e6, linear=2.0, taps=[2, 4, 5]
     ),
-    "speculators_llama_nbr": dict(layout="speculators", nbr=True, embed="target", theta=10000.0, taps=[2, 4, 5],
-                                  prefix="draft_model."),  # fmt: skip
+    "speculators_llama_nbr": dict(
+        layout="speculators", nbr=True, embed="target", theta=10000.0, taps=[2, 4, 5], prefix="draft_model."
+    ),
     "speculators_llama": dict(layout="speculators", Vd=V, vocab_map=False),
     "speculators_qwen3": dict(
-        layout="speculators", layer_type="qwen3", qk_norm=True, norm_before_fc=True, norm_output=True, nbr=True,
-        head_dim_field=True, d=32, theta=1e6, embed="own", eps=1e-6,
+        layout="speculators",
+        layer_type="qwen3",
+        qk_norm=True,
+        norm_before_fc=True,
+        norm_output=True,
+        nbr=True,
+        head_dim_field=True,
+        d=32,
+        theta=1e6,
+        embed="own",
+        eps=1e-6,
     ),
     "speculators_llama_2_layers": dict(layout="speculators", layers=2, embed="target", taps=[2, 4, 5]),
     "speculators_qwen3_3_layers": dict(
-        layout="speculators", layer_type="qwen3", qk_norm=True, norm_output=True, nbr=True, head_dim_field=True,
-        d=32, theta=1e6, embed="own", eps=1e-6, layers=3,
+        layout="speculators",
+        layer_type="qwen3",
+        qk_norm=True,
+        norm_output=True,
+        nbr=True,
+        head_dim_field=True,
+        d=32,
+        theta=1e6,
+        embed="own",
+        eps=1e-6,
+        layers=3,
     ),
 }
 
@@ -297,8 +381,11 @@ def test_external_checkpoint_matches_reference_forward(tmp_path, target, case):
     assert c.rope_parameters["rope_theta"] == (s["theta"] or 10000.0)  # the draft's θ, never the target's 500k
     assert (c.head_dim, c.target_hidden_size, c.draft_vocab_size) == (s["d"], s["Ht"], s["Vd"])
     assert (c.fc_norm, c.norm_before_fc, c.norm_before_residual, c.norm_output) == (
-        s["fc_norm"], s["norm_before_fc"], s["nbr"], s["norm_output"],
-    )  # fmt: skip
+        s["fc_norm"],
+        s["norm_before_fc"],
+        s["nbr"],
+        s["norm_output"],
+    )
     if s["taps"] is not None:
         assert c.target_layer_ids == s["taps"]
     assert c.num_hidden_layers == s["layers"] and len(draft.upper_layers) == s["layers"] - 1
@@ -366,12 +453,15 @@ def assert_same_draft(a, b):
     [
         ("speculators", dict(norm_before_residual=True, norm_output=True, fc_norm=True), torch.float32),
         ("speculators", dict(norm_before_fc=True, target_layer_ids=[1, 3, 6]), torch.bfloat16),
-        ("eagle", dict(fc_norm=True, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5}),
-         torch.float32),
+        (
+            "eagle",
+            dict(fc_norm=True, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5}),
+            torch.float32,
+        ),
         ("eagle", dict(), torch.bfloat16),
         ("speculators", dict(num_hidden_layers=3, norm_before_residual=True), torch.bfloat16),
     ],
-)  # fmt: skip
+)
 def test_round_trip_through_external_layout_is_bit_exact(tmp_path, target, to, overrides, dtype):
     draft = randomized_draft(target, **overrides).to(dtype)
     native = tmp_path / "native"
@@ -394,9 +484,16 @@ def test_qwen3_draft_round_trips_through_speculators(tmp_path):
 
     torch.manual_seed(0)
     qwen3 = Qwen3ForCausalLM(
-        Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, vocab_size=V)
-    ).eval()  # fmt: skip
+        Qwen3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=V,
+        )
+    ).eval()
     draft = randomized_draft(qwen3)
     save_speculators(draft, tmp_path / "spec")
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
@@ -535,7 +632,7 @@ def corrupt(tmp_path, target, edit, **overrides):
         (lambda w: w.update({"t2d": torch.full((V,), 2.0)}), r"t2d must be a 0/1 membership mask"),
         (lambda w: (w.pop("d2t"), w.pop("t2d")), r"no d2t/t2d vocabulary mapping"),
     ],
-)  # fmt: skip
+)
 def test_bad_weights_are_refused(tmp_path, target, edit, message):
     with pytest.raises(ValueError, match=message):
         Eagle3DraftModel.from_pretrained(corrupt(tmp_path, target, edit))
@@ -602,8 +699,9 @@ def test_unknown_layout_and_missing_files(tmp_path, target):
     with pytest.raises(ValueError, match="No weights in"):
         Eagle3DraftModel.from_pretrained(path)
     with pytest.raises(ValueError, match="transformer_layer_config.model_type='gemma3_text' is not supported"):
-        Eagle3DraftModel.from_pretrained(make_checkpoint(tmp_path, target, "g", layout="speculators",
-                                                         layer_type="gemma3_text")[0])  # fmt: skip
+        Eagle3DraftModel.from_pretrained(
+            make_checkpoint(tmp_path, target, "g", layout="speculators", layer_type="gemma3_text")[0]
+        )
 
 
 def test_exports_refuse_what_the_layout_cannot_express(tmp_path, target):

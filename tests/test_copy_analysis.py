@@ -29,8 +29,16 @@ def test_step0_attention_reproduces_the_first_layer():
     """Weights from `step0_attention`, applied to the layer's values, give what `ttt_forward` computes at step 0
     (with a padded row), so the profile describes the attention the draft trains and drafts with."""
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=96)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+        )
+    ).eval()
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40).eval()
     with torch.no_grad():
         for name, param in draft.named_parameters():

@@ -21,8 +21,10 @@ EXCLUDED = 1  # the question an evaluation set asks
 
 
 def sharegpt(i, *turns):
-    return {"id": f"c{i}", "conversations": [{"from": "human" if j % 2 == 0 else "gpt", "value": text}
-                                             for j, text in enumerate(turns)]}  # fmt: skip
+    return {
+        "id": f"c{i}",
+        "conversations": [{"from": "human" if j % 2 == 0 else "gpt", "value": text} for j, text in enumerate(turns)],
+    }
 
 
 @pytest.fixture()
@@ -69,8 +71,9 @@ def run(capsys, *argv):
 def test_the_command_builds_and_saves_the_index(regen, tmp_path, capsys):
     folder, out, questions = regen
     target = tmp_path / "corpus.safetensors"
-    code, printed, err = run(capsys, "corpus", "--target", folder, "--data", out, "--output", target,
-                             "--exclude-prompts", questions)  # fmt: skip
+    code, printed, err = run(
+        capsys, "corpus", "--target", folder, "--data", out, "--output", target, "--exclude-prompts", questions
+    )
     assert code == 0, err
     index = CorpusIndex.load(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -81,8 +84,18 @@ def test_the_command_builds_and_saves_the_index(regen, tmp_path, capsys):
     assert "left out 1 of 4 conversations" in printed and "per token" in printed and "built in" in printed
     code, _, err = run(capsys, "corpus", "--target", folder, "--data", out, "--output", target)
     assert code == 2 and "already exists" in err  # never overwritten by accident
-    code, printed, err = run(capsys, "corpus", "--target", folder, "--data", out, "--output", target,
-                             "--overwrite-output-dir", "--exclude-prompts")  # fmt: skip
+    code, printed, err = run(
+        capsys,
+        "corpus",
+        "--target",
+        folder,
+        "--data",
+        out,
+        "--output",
+        target,
+        "--overwrite-output-dir",
+        "--exclude-prompts",
+    )
     assert code == 0 and "no evaluation prompts left out" in printed
     assert CorpusIndex.load(target).num_documents == 5
 
@@ -116,8 +129,19 @@ def test_the_code_math_prompts_can_be_left_out(regen, tmp_path, capsys):
         prompt = json.loads(f.readline())["prompt"]
     (out / "shard_00001.jsonl").write_text(json.dumps(sharegpt(9, f"  {prompt.upper()} ", "a code answer.")) + "\n")
     target = tmp_path / "corpus.safetensors"
-    code, printed, err = run(capsys, "corpus", "--target", folder, "--data", out, "--output", target,
-                             "--exclude-prompts", code_math, questions)  # fmt: skip
+    code, printed, err = run(
+        capsys,
+        "corpus",
+        "--target",
+        folder,
+        "--data",
+        out,
+        "--output",
+        target,
+        "--exclude-prompts",
+        code_math,
+        questions,
+    )
     assert code == 0, err
     index = CorpusIndex.load(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -127,15 +151,20 @@ def test_the_code_math_prompts_can_be_left_out(regen, tmp_path, capsys):
     assert not any("code answer" in t or "one plus three" in t for t in texts) and len(texts) == 4
 
 
-_NO_TORCH = ("import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1:])\n"
-             "print('torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)")  # fmt: skip
+_NO_TORCH = (
+    "import sys\nfrom eagle3_hf.cli import main\ncode = main(sys.argv[1:])\n"
+    "print('torch' in sys.modules, 'transformers' in sys.modules)\nsys.exit(code)"
+)
 
 
-@pytest.mark.parametrize(("extra", "fragment"), [
-    (["--data", "no/such/folder"], "--data 'no/such/folder': no such file or folder"),
-    (["--data", ".", "--depth", "0"], "--depth must be >= 1, got 0"),
-    (["--data", ".", "--exclude-prompts", "no_questions.jsonl"], "--exclude-prompts 'no_questions.jsonl': no such"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--data", "no/such/folder"], "--data 'no/such/folder': no such file or folder"),
+        (["--data", ".", "--depth", "0"], "--depth must be >= 1, got 0"),
+        (["--data", ".", "--exclude-prompts", "no_questions.jsonl"], "--exclude-prompts 'no_questions.jsonl': no such"),
+    ],
+)
 def test_mistakes_are_answered_before_torch_loads(tmp_path, extra, fragment):
     argv = ["corpus", "--target", "smollm2", "--output", str(tmp_path / "c.safetensors"), *extra]
     done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=60)

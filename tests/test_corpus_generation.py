@@ -93,8 +93,9 @@ def test_corpus_trees_greedy_match_plain_generate(cases, family, assistant):
     extra = {} if assistant == "corpus_tree" else dict(corpus=corpus)
     accepted = 0
     for prompt, reference in zip(prompts, references):
-        out = eagle(target, helper, prompt, max_new_tokens=NEW, return_dict_in_generate=True, **extra,
-                    **ASSISTANTS[assistant])  # fmt: skip
+        out = eagle(
+            target, helper, prompt, max_new_tokens=NEW, return_dict_in_generate=True, **extra, **ASSISTANTS[assistant]
+        )
         assert out.sequences.tolist() == reference.tolist(), f"{family}/{assistant}, prompt of {prompt.shape[1]}"
         check_sources_add_up(out)
         accepted += corpus_accepted(out)
@@ -113,8 +114,16 @@ def test_batched_corpus_trees_equal_each_rows_plain_greedy(cases, family, assist
     ids, mask = left_padded(prompts)
     helper = ContextLookup(corpus=corpus).bind(target) if assistant == "corpus_tree" else draft
     extra = {} if assistant == "corpus_tree" else dict(corpus=corpus, context_lookup=True)
-    out = target.generate(ids, attention_mask=mask, assistant_model=helper, do_sample=False, max_new_tokens=NEW,
-                          return_dict_in_generate=True, adaptive_tree=False, **extra)  # fmt: skip
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=helper,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        adaptive_tree=False,
+        **extra,
+    )
     for row, prompt in enumerate(prompts):
         assert unpadded(out.sequences, mask, row) == plain(target, prompt, max_new_tokens=NEW)[0].tolist(), f"row {row}"
     assert len(out.accept_sources) == len(prompts)
@@ -123,8 +132,9 @@ def test_batched_corpus_trees_equal_each_rows_plain_greedy(cases, family, assist
 
 def test_corpus_off_and_refusals(cases):
     target, draft, prompts, references, _ = cases("llama")
-    out = eagle(target, draft, prompts[1], max_new_tokens=NEW, return_dict_in_generate=True, corpus=False,
-                adaptive_tree=False)  # fmt: skip
+    out = eagle(
+        target, draft, prompts[1], max_new_tokens=NEW, return_dict_in_generate=True, corpus=False, adaptive_tree=False
+    )
     assert out.sequences.tolist() == references[1].tolist() and out.accepted_from_corpus == 0
     wide = CorpusIndex.build([[1, 2, 3, 40]], vocab_size=V + 32)
     with pytest.raises(ValueError, match="vocabulary of 48 ids, larger than this target's 16"):
@@ -185,8 +195,13 @@ def test_sampling_with_corpus_proposals_follows_the_target_law(models, setting):
     # corpus continues with the most frequent of them -- its nodes are in every first cycle
     tail = REPEATING[0, -4:].tolist()
     mask = torch.ones_like(REPEATING)
-    answers = [tail + target.generate(REPEATING, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=4)[
-        0, REPEATING.shape[1] :].tolist() for _ in range(200)]  # fmt: skip
+    answers = [
+        tail
+        + target.generate(REPEATING, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=4)[
+            0, REPEATING.shape[1] :
+        ].tolist()
+        for _ in range(200)
+    ]
     corpus = CorpusIndex.build(answers, vocab_size=SV)
     mixed = dict(TREES["tree"], context_lookup=False, corpus=corpus, lookup_confidence=1.0)
     outputs = check_law(target, draft, REPEATING, SETTINGS[setting], mixed, f"corpus/{setting}")
@@ -206,8 +221,14 @@ def test_a_drafts_corpus_file_is_loaded_with_it(cases, tmp_path):
     loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
     assert loaded.corpus == str(tmp_path / CORPUS_FILE)
     # no context lookup: a node of several sources is then the draft's and the corpus's
-    options = dict(max_new_tokens=NEW, return_dict_in_generate=True, tree_top_k=2, tree_depth=4, adaptive_tree=False,
-                   context_lookup=False)  # fmt: skip
+    options = dict(
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        tree_top_k=2,
+        tree_depth=4,
+        adaptive_tree=False,
+        context_lookup=False,
+    )
     used, off = 0, 0
     for prompt, reference in zip(prompts, references):
         out = eagle(target, loaded, prompt, **options)
@@ -234,9 +255,19 @@ def test_growth_inside_generate_stays_exact(cases):
     target, _, prompts, references, _ = cases("llama")
     lookup = ContextLookup().bind(target)
     for _ in range(2):  # the second round finds the first round's outputs in the online corpus
-        outs = [target.generate(p, attention_mask=torch.ones_like(p), assistant_model=lookup, do_sample=False,
-                                max_new_tokens=NEW, return_dict_in_generate=True, adaptive_tree=False,
-                                corpus_growth=4096) for p in prompts]  # fmt: skip
+        outs = [
+            target.generate(
+                p,
+                attention_mask=torch.ones_like(p),
+                assistant_model=lookup,
+                do_sample=False,
+                max_new_tokens=NEW,
+                return_dict_in_generate=True,
+                adaptive_tree=False,
+                corpus_growth=4096,
+            )
+            for p in prompts
+        ]
         assert [o.sequences.tolist() for o in outs] == [r.tolist() for r in references]
     assert sum(corpus_accepted(o) for o in outs) > 0
 
@@ -252,9 +283,15 @@ def test_bench_corpus_tree_and_sources_by_method(cases, tmp_path):
     corpus.save(tmp_path / "corpus.safetensors")
     methods = ("plain", "prompt_lookup", "eagle3_tree", "hybrid_tree", "lookup_tree", "corpus_tree")
     configs = bench_configs(torch.float32, methods, (torch.float32,))
-    report = run_benchmark({torch.float32: target}, {torch.float32: draft}, prompts[:2], configs,
-                           max_new_tokens=NEW, tree_kwargs={"adaptive_tree": False},
-                           corpus=str(tmp_path / "corpus.safetensors"))  # fmt: skip
+    report = run_benchmark(
+        {torch.float32: target},
+        {torch.float32: draft},
+        prompts[:2],
+        configs,
+        max_new_tokens=NEW,
+        tree_kwargs={"adaptive_tree": False},
+        corpus=str(tmp_path / "corpus.safetensors"),
+    )
     trees = ["eagle3_tree_fp32", "hybrid_tree_fp32", "lookup_tree_fp32", "corpus_tree_fp32"]
     assert all(report[f"identical_{m}"] == 1.0 for m in ("hybrid_tree", "lookup_tree", "corpus_tree"))
     assert report["identical"] == 1.0

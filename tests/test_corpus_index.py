@@ -146,8 +146,7 @@ def test_the_array_is_sorted_backwards_on_its_depth(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize(("branches", "min_count", "max_nodes"), [(99, 1, None), (2, 2, None), (1, 1, None),
-                                                                  (3, 2, 4)])  # fmt: skip
+@pytest.mark.parametrize(("branches", "min_count", "max_nodes"), [(99, 1, None), (2, 2, None), (1, 1, None), (3, 2, 4)])
 def test_continuations_count_what_follows(seed, branches, min_count, max_nodes):
     documents, vocab, contexts = random_corpus(seed)
     index = CorpusIndex.build(documents, vocab)
@@ -156,8 +155,16 @@ def test_continuations_count_what_follows(seed, branches, min_count, max_nodes):
     for context in contexts:
         for k, (lo, hi) in enumerate(index.match_ranges(context, 8), start=1):
             counts = brute_prefix_counts(tokens, index.suffix_array[lo:hi].tolist(), depth=4)
-            trie = index.continuations(lo, hi, depth=4, branches=branches, min_count=min_count, match=k,
-                                       max_samples=10_000, max_nodes=max_nodes)  # fmt: skip
+            trie = index.continuations(
+                lo,
+                hi,
+                depth=4,
+                branches=branches,
+                min_count=min_count,
+                match=k,
+                max_samples=10_000,
+                max_nodes=max_nodes,
+            )
             assert trie_paths(trie) == brute_trie(counts, branches, min_count, max_nodes), (context, k)
             assert trie.counts[0] == sum(c for p, c in counts.items() if len(p) == 1)
             assert set(trie.match) == {k}
@@ -239,26 +246,32 @@ def test_save_and_load_round_trip(tmp_path):
 # bad input
 
 
-@pytest.mark.parametrize(("documents", "vocab", "fragment"), [
-    ([], 10, "The corpus is empty"),
-    ([[], []], 10, "The corpus is empty"),
-    ([[1, 2], [3, 10]], 10, "document 1 holds token id 10, outside the vocabulary [0, 10)"),
-    ([[1, -1]], 10, "document 0 holds token id -1"),
-    ([[0.5, 1.0]], 10, "integer token ids, got an array of dtype float64"),
-    ([[[1, 2]]], 10, "shape (1, 2)"),
-    ([[1]], 0, "vocab_size must be >= 1, got 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("documents", "vocab", "fragment"),
+    [
+        ([], 10, "The corpus is empty"),
+        ([[], []], 10, "The corpus is empty"),
+        ([[1, 2], [3, 10]], 10, "document 1 holds token id 10, outside the vocabulary [0, 10)"),
+        ([[1, -1]], 10, "document 0 holds token id -1"),
+        ([[0.5, 1.0]], 10, "integer token ids, got an array of dtype float64"),
+        ([[[1, 2]]], 10, "shape (1, 2)"),
+        ([[1]], 0, "vocab_size must be >= 1, got 0"),
+    ],
+)
 def test_bad_corpora_are_refused(documents, vocab, fragment):
     with pytest.raises(ValueError) as info:
         CorpusIndex.build(documents, vocab)
     assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize(("options", "fragment"), [
-    ({"min_len": 0}, "corpus min_len must be >= 1, got 0"),
-    ({"min_len": 5, "max_len": 4}, "min_len (5) must be <= max_len (4)"),
-    ({"max_samples": 0}, "corpus max_samples must be >= 1, got 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"min_len": 0}, "corpus min_len must be >= 1, got 0"),
+        ({"min_len": 5, "max_len": 4}, "min_len (5) must be <= max_len (4)"),
+        ({"max_samples": 0}, "corpus max_samples must be >= 1, got 0"),
+    ],
+)
 def test_bad_options_are_refused(options, fragment):
     with pytest.raises(ValueError) as info:
         CorpusOptions(**options)

@@ -35,10 +35,6 @@ CONVERSATION = [
 ]
 
 
-
-
-
-
 @pytest.fixture
 def marked_tokenizer(tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -69,7 +65,11 @@ def test_normalize_sharegpt_messages_and_alpaca():
     messages = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}
     assert normalize_messages(messages) == messages["messages"]
     alpaca = {
-        "instruction": "Add.", "input": "2, 3", "output": "5", "system": "Be exact.", "history": [["hi", "hello"]]
+        "instruction": "Add.",
+        "input": "2, 3",
+        "output": "5",
+        "system": "Be exact.",
+        "history": [["hi", "hello"]],
     }
     assert normalize_messages(alpaca) == [
         {"role": "system", "content": "Be exact."},
@@ -175,7 +175,7 @@ def test_every_data_format_reads_through_datasets_without_the_network(tmp_path, 
     Dataset.from_list(records).to_parquet(str(tmp_path / "table.parquet"))
     shards = tmp_path / "shards"
     shards.mkdir()
-    for i, record in enumerate(records):  # name order, not write order
+    for i in range(len(records)):  # name order, not write order
         (shards / f"part-{3 - i}.jsonl.gz").write_bytes(gzip.compress((json.dumps(records[3 - i]) + "\n").encode()))
     (shards / ".part-9.jsonl.gz.tmp").write_text("{half")  # a shard being written is skipped
     parquet_shards = tmp_path / "parquet_shards"

@@ -10,8 +10,14 @@ from eagle3_hf.modeling.model_card import build_model_card
 from eagle3_hf.training.distributed import fsdp_memory_per_process, parameter_bytes
 
 V = 96
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=V)  # fmt: skip
+SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=V,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +54,11 @@ def logits_of(draft, target, ids):
     return torch.cat(steps, dim=1)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(num_hidden_layers=2, norm_before_residual=True, attention_bias=True)],
-                         ids=["from-1", "from-2-with-biases"])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(num_hidden_layers=2, norm_before_residual=True, attention_bias=True)],
+    ids=["from-1", "from-2-with-biases"],
+)
 def test_grown_draft_computes_what_the_old_one_did(target, overrides):
     old = trained_draft(target, **overrides)
     depth = old.config.num_hidden_layers
@@ -116,10 +125,10 @@ def test_model_card_states_the_depth(target):
 
 
 def test_bf16_prepacking_covers_every_layer(target):
+    from test_draft_step import causal_block
     from torch import nn
 
     from eagle3_hf.generation.draft_step import DraftKV, draft_forward
-    from test_draft_step import causal_block
     from eagle3_hf.modeling.packed_linear import PackedLinear, can_prepack, prepack_linears
 
     draft = trained_draft(target, num_hidden_layers=2).to(torch.bfloat16)
@@ -129,7 +138,9 @@ def test_bf16_prepacking_covers_every_layer(target):
 
         def decode_step():
             mask = causal_block(0, 5, torch.bfloat16, ids.device)
-            return draft_forward(draft, DraftKV.for_draft(draft), ids, draft.fuse(features), torch.arange(5)[None], 0, mask)
+            return draft_forward(
+                draft, DraftKV.for_draft(draft), ids, draft.fuse(features), torch.arange(5)[None], 0, mask
+            )
 
         before = decode_step()
         replaced = prepack_linears(draft)

@@ -217,29 +217,35 @@ def test_every_subcommand_is_documented():
     assert set(SUBCOMMANDS) <= documented, f"not in README or docs: {sorted(set(SUBCOMMANDS) - documented)}"
 
 
-@pytest.mark.parametrize("line", [
-    "eagle3-hf nosuchcommand --target smollm2",
-    "eagle3-hf generate --no-such-option",
-    "eagle3-hf generate --max-new 8",  # an abbreviation of --max-new-tokens
-    "eagle3-hf bench --dtype float64",
-    "eagle3-hf generate --max-new-tokens many",
-    "eagle3-hf vocab --target smollm2 --data regen/",  # --output is required
-    "eagle3-hf train --target smollm2 --data regen/ --output draft/ --no-such-training-argument 1",
-    "eagle3-hf convert SRC --to speculators",  # DST is missing
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line",
+    [
+        "eagle3-hf nosuchcommand --target smollm2",
+        "eagle3-hf generate --no-such-option",
+        "eagle3-hf generate --max-new 8",  # an abbreviation of --max-new-tokens
+        "eagle3-hf bench --dtype float64",
+        "eagle3-hf generate --max-new-tokens many",
+        "eagle3-hf vocab --target smollm2 --data regen/",  # --output is required
+        "eagle3-hf train --target smollm2 --data regen/ --output draft/ --no-such-training-argument 1",
+        "eagle3-hf convert SRC --to speculators",  # DST is missing
+    ],
+)
 def test_the_check_refuses_what_the_cli_refuses(line):
     (args,) = _commands(line)
     with pytest.raises(AssertionError):
         check_command(args, strict=True)
 
 
-@pytest.mark.parametrize("line", [
-    "eagle3-hf train --target smollm2 --data regen/ --output draft/ \\\n  --max-steps N --learning-rate 1e-4 --resume",
-    "eagle3-hf train ... --fsdp \"full_shard auto_wrap\"",  # elided: the required options are left out
-    "torchrun --nproc_per_node 2 -m eagle3_hf.cli features --target DIR --data a b --output feats/ --device cuda",
-    "eagle3-hf convert SRC DST --to speculators --target-id ORG/NAME  # a comment",
-    "X=1 eagle3-hf evaluate --draft \"$OUT/draft\" --data a b --max-length \"${LEN:-384}\" && echo done",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "line",
+    [
+        "eagle3-hf train --target smollm2 --data regen/ --output draft/ \\\n  --max-steps N --learning-rate 1e-4 --resume",
+        'eagle3-hf train ... --fsdp "full_shard auto_wrap"',  # elided: the required options are left out
+        "torchrun --nproc_per_node 2 -m eagle3_hf.cli features --target DIR --data a b --output feats/ --device cuda",
+        "eagle3-hf convert SRC DST --to speculators --target-id ORG/NAME  # a comment",
+        'X=1 eagle3-hf evaluate --draft "$OUT/draft" --data a b --max-length "${LEN:-384}" && echo done',
+    ],
+)
 def test_the_check_accepts_continued_lines_elisions_and_placeholders(line):
     (joined,) = _logical_lines(line.split("\n"))
     (args,) = _commands(joined)
@@ -287,8 +293,9 @@ def test_the_readme_python_blocks_run(monkeypatch, capsys):
         target, out = namespace["target"], namespace["out"]
         if "ids" in namespace:  # the chat example, greedy in fp32: the target's own answer, token for token
             ids = namespace["ids"]
-            plain = type(target).generate(target, ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                          max_new_tokens=12)  # fmt: skip
+            plain = type(target).generate(
+                target, ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12
+            )
             assert torch.equal(out.sequences, plain) and len(out.accept_lengths) > 0
         else:
             assert printed.startswith(namespace["tokenizer"].decode(namespace["out"][0, :4]))

@@ -8,8 +8,8 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
-    MistralForCausalLM,
     MistralConfig,
+    MistralForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -19,8 +19,14 @@ from eagle3_hf.generation.draft_step import DraftKV, DraftKVAttention, _attend, 
 from eagle3_hf.generation.drafting import top_children
 from eagle3_hf.modeling.masks import additive_mask
 
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=200)  # fmt: skip
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=200,
+)
 TARGETS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
     "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)),
@@ -41,11 +47,17 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "family, overrides",
-    [("llama", {}), ("qwen3-qk-norm", {}), ("mistral", {}), ("gemma3", {}),
-     ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True)),
-     ("llama", dict(num_hidden_layers=2)), ("gemma3", dict(num_hidden_layers=3))],
+    [
+        ("llama", {}),
+        ("qwen3-qk-norm", {}),
+        ("mistral", {}),
+        ("gemma3", {}),
+        ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True)),
+        ("llama", dict(num_hidden_layers=2)),
+        ("gemma3", dict(num_hidden_layers=3)),
+    ],
     ids=["llama", "qwen3-qk-norm", "mistral", "gemma3", "llama-eagle3.1-flags", "llama-2-layers", "gemma3-3-layers"],
-)  # fmt: skip
+)
 def test_draft_forward_matches_the_model_forward(family, overrides):
     torch.manual_seed(0)
     target = TARGETS[family]().eval()
@@ -66,8 +78,13 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         # nodes 0 and 2, each seeing the prefix, its ancestors and itself (the model forward gets the same 4D mask)
         level1 = torch.randint(3, 200, (1, 3))
         allowed1 = torch.cat([torch.ones(3, 7, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], dim=1)
-        ref1 = draft(level1, hidden_states=ref.last_hidden_state[:, -1:].expand(1, 3, -1),
-                     position_ids=torch.full((1, 3), 7), attention_mask=allowed1[None, None], cache=ref.cache)  # fmt: skip
+        ref1 = draft(
+            level1,
+            hidden_states=ref.last_hidden_state[:, -1:].expand(1, 3, -1),
+            position_ids=torch.full((1, 3), 7),
+            attention_mask=allowed1[None, None],
+            cache=ref.cache,
+        )
         logits1, hidden1 = step(
             draft, kv, level1, hidden[:, -1:].expand(1, 3, -1), torch.full((3,), 7), 7, _additive(allowed1)
         )
@@ -75,11 +92,14 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         level2 = torch.randint(3, 200, (1, 2))
         tree2 = torch.tensor([[1, 0, 0, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool)  # [nodes 0..2 | new 0..1]
         allowed2 = torch.cat([torch.ones(2, 7, dtype=torch.bool), tree2], dim=1)
-        ref2 = draft(level2, hidden_states=ref1.last_hidden_state[:, [0, 2]], position_ids=torch.full((1, 2), 8),
-                     attention_mask=allowed2[None, None], cache=ref1.cache)  # fmt: skip
-        logits2, hidden2 = step(
-            draft, kv, level2, hidden1[:, [0, 2]], torch.full((2,), 8), 10, _additive(allowed2)
+        ref2 = draft(
+            level2,
+            hidden_states=ref1.last_hidden_state[:, [0, 2]],
+            position_ids=torch.full((1, 2), 8),
+            attention_mask=allowed2[None, None],
+            cache=ref1.cache,
         )
+        logits2, hidden2 = step(draft, kv, level2, hidden1[:, [0, 2]], torch.full((2,), 8), 10, _additive(allowed2))
         torch.testing.assert_close(logits2, ref2.logits[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(hidden2, ref2.last_hidden_state, rtol=1e-4, atol=1e-5)
     assert kv.capacity >= 12 and kv.length == 7  # the tree's slots are scratch: the verified length is unchanged
@@ -142,9 +162,15 @@ def test_rows_of_a_batch_compute_what_each_row_alone_does():
         normed, feedback = draft_forward(draft, kv, ids, hidden, positions, 0, _additive(allowed))
         for row, start in ((0, 0), (1, 1)):
             alone = DraftKV.for_draft(draft)
-            own, own_feedback = draft_forward(draft, alone, ids[row : row + 1, start:], hidden[row : row + 1, start:],
-                                              torch.arange(6 - start)[None], 0,
-                                              causal_block(0, 6 - start, torch.float32, ids.device))  # fmt: skip
+            own, own_feedback = draft_forward(
+                draft,
+                alone,
+                ids[row : row + 1, start:],
+                hidden[row : row + 1, start:],
+                torch.arange(6 - start)[None],
+                0,
+                causal_block(0, 6 - start, torch.float32, ids.device),
+            )
             torch.testing.assert_close(normed[row, start:], own[0], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(feedback[row, start:], own_feedback[0], rtol=1e-4, atol=1e-5)
     kv.select_rows(torch.tensor([1]))
@@ -197,7 +223,11 @@ def test_the_model_forward_with_the_decoding_attention_is_the_former_decoding_fo
                 if run == "model":
                     attention = DraftKVAttention(kv, slot)
                     out = draft(
-                        tokens, hidden_states=state, position_ids=pos, attention_mask=mask, attention=attention,
+                        tokens,
+                        hidden_states=state,
+                        position_ids=pos,
+                        attention_mask=mask,
+                        attention=attention,
                         skip_logits=True,
                     )
                     assert out.logits is None

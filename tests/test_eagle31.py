@@ -84,7 +84,8 @@ def test_every_flag_combination_round_trips_bit_exact_or_is_refused_with_the_rea
     elif layout == "eagle":
         # true written, false left out: absent is EAGLE-3 to every reader, an explicit false was not, once.
         assert written.get("fc_norm", False) == flags["fc_norm"] and written.get("norm_output") == (
-            True if flags["norm_output"] else None)  # fmt: skip
+            True if flags["norm_output"] else None
+        )
         assert written["eagle_aux_hidden_state_layer_ids"] == [2, L // 2, L - 3]  # what vLLM reads
         assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, L // 2 - 1, L - 4]  # SGLang
     if layout == "eagle" and flags["norm_output"]:
@@ -125,8 +126,9 @@ def test_an_eagle31_draft_in_the_official_layout_drafts_exactly_as_the_native_on
     for name in ("tokens", "parents", "depths", "scores"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
     # Read the SpecForge-before-PR-#879 way (the pre-norm state fed back), the same file drafts another tree.
-    older = greedy_tree(Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target, norm_output=False),
-                        target, prompt)  # fmt: skip
+    older = greedy_tree(
+        Eagle3DraftModel.from_pretrained(tmp_path / "eagle", target=target, norm_output=False), target, prompt
+    )
     assert not torch.equal(older.scores, expected.scores)
 
 
@@ -162,17 +164,22 @@ def test_norm_output_reads_as_the_servers_read_it(tmp_path, target):
         check_against_reference(draft, w, s)
     path, w, s = official(tmp_path, target, "true", edit=set_norm_output(True), fc_norm=True)
     w["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
-    warning = (r"official/SpecForge config's norm_output=True: read as norm_output=True, the way vLLM, SGLang, "
-               r"TensorRT-LLM and SpecForge since its PR #879 \(EAGLE-3.1.*SpecForge from July 2026 until its PR "
-               r"#879 \(EAGLE-3: the pre-norm state fed back\) read it as norm_output=False. Pass norm_output=")
+    warning = (
+        r"official/SpecForge config's norm_output=True: read as norm_output=True, the way vLLM, SGLang, "
+        r"TensorRT-LLM and SpecForge since its PR #879 \(EAGLE-3.1.*SpecForge from July 2026 until its PR "
+        r"#879 \(EAGLE-3: the pre-norm state fed back\) read it as norm_output=False. Pass norm_output="
+    )
     with pytest.warns(UserWarning, match=warning):
         draft = load(path, target)
     check_against_reference(draft, w, {**s, "norm_output": True})  # the post-norm state fed back
     older = load(path, target, norm_output=False)  # SpecForge before PR #879 meant EAGLE-3
     assert older.config.norm_output is False
     check_against_reference(older, w, s)
-    with pytest.raises(ValueError, match=r"norm_output=True was passed, but the official/SpecForge config's "
-                                         r"norm_output=None can be read only as norm_output=False \(every reader\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"norm_output=True was passed, but the official/SpecForge config's "
+        r"norm_output=None can be read only as norm_output=False \(every reader\)",
+    ):
         load(official(tmp_path, target, "plain")[0], target, norm_output=True)
     with pytest.raises(ValueError, match=r"norm_output='yes'; expected true, false or no such field"):
         load(official(tmp_path, target, "bad", edit=set_norm_output("yes"))[0], target)
@@ -188,6 +195,7 @@ def test_tap_ids_read_as_the_servers_read_them(tmp_path, target):
                 c["eagle_aux_hidden_state_layer_ids"] = outer
             if count is not None:
                 c["num_aux_hidden_states"] = count
+
         return edit
 
     for name, edit, expected in (
@@ -196,13 +204,15 @@ def test_tap_ids_read_as_the_servers_read_them(tmp_path, target):
         ("both", taps(inner=[1, 3, 4], outer=[2, 4, 5]), [2, 4, 5]),  # what this package writes
         ("none", taps(), [2, L // 2, L - 3]),  # every reader's default
         ("count", taps(inner=[1, 3, 4], count=3), [2, 4, 5]),
-    ):  # fmt: skip
+    ):
         with no_warnings():
             assert load(official(tmp_path, target, name, edit=edit)[0], target).config.target_layer_ids == expected
 
     path = official(tmp_path, target, "ambiguous", edit=taps(inner=[2, 4, 5]))[0]
-    older = (r"SGLang before its PR #25454 and SpecForge \(output-of-layer ids, ours minus one\) read it as "
-             r"target_layer_ids=\[3, 5, 6\]")
+    older = (
+        r"SGLang before its PR #25454 and SpecForge \(output-of-layer ids, ours minus one\) read it as "
+        r"target_layer_ids=\[3, 5, 6\]"
+    )
     with pytest.warns(UserWarning, match=r"target_layer_ids=\[2, 4, 5\], the way SGLang since its PR #25454.*" + older):
         assert load(path, target).config.target_layer_ids == [2, 4, 5]
     # vLLM's top-level ids agree with today's SGLang, but not with the older readers: still said.
@@ -210,19 +220,30 @@ def test_tap_ids_read_as_the_servers_read_them(tmp_path, target):
     with pytest.warns(UserWarning, match=r"the way vLLM \(top-level, input-of-layer ids\) read it; " + older):
         assert load(both, target).config.target_layer_ids == [2, 4, 5]
     assert load(path, target, target_layer_ids=[3, 5, 6]).config.target_layer_ids == [3, 5, 6]
-    with pytest.raises(ValueError, match=r"target_layer_ids=\[1, 1, 1\] was passed, but .* can be read only as "
-                                         r"target_layer_ids=\[2, 4, 5\] \(.*\) or target_layer_ids=\[3, 5, 6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"target_layer_ids=\[1, 1, 1\] was passed, but .* can be read only as "
+        r"target_layer_ids=\[2, 4, 5\] \(.*\) or target_layer_ids=\[3, 5, 6\]",
+    ):
         load(path, target, target_layer_ids=[1, 1, 1])
     bad = {
-        "disagree": (taps(inner=[1, 3, 4], outer=[3, 5, 6]), r"eagle_aux_hidden_state_layer_ids=\[3, 5, 6\], which "
-                     r"vLLM reads, and eagle_config.eagle_aux_hidden_state_layer_ids=\[1, 3, 4\], which SGLang reads "
-                     r"as \[2, 4, 5\]"),
-        "four": (taps(inner=[1, 2, 3, 4]), r"eagle_config.eagle_aux_hidden_state_layer_ids are \[1, 2, 3, 4\]; "
-                 r"expected three"),
+        "disagree": (
+            taps(inner=[1, 3, 4], outer=[3, 5, 6]),
+            r"eagle_aux_hidden_state_layer_ids=\[3, 5, 6\], which "
+            r"vLLM reads, and eagle_config.eagle_aux_hidden_state_layer_ids=\[1, 3, 4\], which SGLang reads "
+            r"as \[2, 4, 5\]",
+        ),
+        "four": (
+            taps(inner=[1, 2, 3, 4]),
+            r"eagle_config.eagle_aux_hidden_state_layer_ids are \[1, 2, 3, 4\]; "
+            r"expected three",
+        ),
         "count": (taps(count=4), r"num_aux_hidden_states=4; eagle3_hf drafts fuse exactly 3"),
-        "no-fc": (lambda c: c.__setitem__("eagle_config", {"use_aux_hidden_state": False}),
-                  r"use_aux_hidden_state=false: this draft reads no target taps"),
-    }  # fmt: skip
+        "no-fc": (
+            lambda c: c.__setitem__("eagle_config", {"use_aux_hidden_state": False}),
+            r"use_aux_hidden_state=false: this draft reads no target taps",
+        ),
+    }
     for name, (edit, message) in bad.items():
         with pytest.raises(ValueError, match=message):
             load(official(tmp_path, target, name, edit=edit)[0], target)
@@ -246,30 +267,48 @@ def test_fusion_norms_read_as_the_servers_read_them(tmp_path, target):
     check_against_reference(draft, {**w, "embed_tokens.weight": embedding}, s)
     # fc_norm weights, no flag: applied as before (as trained), with a warning that the servers would not.
     path, w, s = official(tmp_path, target, "unflagged", edit=lambda c: c.pop("fc_norm"), fc_norm=True)
-    with pytest.warns(UserWarning, match=r"holds fc_norm.\* weights but its config.json has no fc_norm.*vLLM and "
-                                         r"SGLang would not"):
+    with pytest.warns(
+        UserWarning,
+        match=r"holds fc_norm.\* weights but its config.json has no fc_norm.*vLLM and "
+        r"SGLang would not",
+    ):
         draft = load(path, target)
     check_against_reference(draft, {**w, "embed_tokens.weight": embedding}, s)
     # norm_before_fc, in eagle_config (NVIDIA's place, which vLLM reads first) or at the top level; and the residual.
-    for name, edit in (("inner", lambda c: c.update(eagle_config={"norm_before_fc": True})),
-                       ("outer", lambda c: c.update(norm_before_fc=True))):  # fmt: skip
+    for name, edit in (
+        ("inner", lambda c: c.update(eagle_config={"norm_before_fc": True})),
+        ("outer", lambda c: c.update(norm_before_fc=True)),
+    ):
         path, w, s = official(tmp_path, target, name, edit=edit, norm_before_fc=True)
-        with pytest.warns(UserWarning, match=r"norm_before_fc: true, which vLLM applies.*SGLang runs this draft "
-                                             r"without it"):
+        with pytest.warns(
+            UserWarning,
+            match=r"norm_before_fc: true, which vLLM applies.*SGLang runs this draft "
+            r"without it",
+        ):
             draft = load(path, target)
         check_against_reference(draft, {**w, "embed_tokens.weight": embedding}, s)
     path, w, s = official(tmp_path, target, "nbr", edit=lambda c: c.update(norm_before_residual=True), nbr=True)
-    with pytest.warns(UserWarning, match=r"norm_before_residual: true, which vLLM applies.*SGLang runs this draft "
-                                         r"with the un-normed residual"):
+    with pytest.warns(
+        UserWarning,
+        match=r"norm_before_residual: true, which vLLM applies.*SGLang runs this draft "
+        r"with the un-normed residual",
+    ):
         draft = load(path, target)
     check_against_reference(draft, {**w, "embed_tokens.weight": embedding}, s)
     bad = {
-        "disagree": (dict(edit=lambda c: c.update(norm_before_fc=False, eagle_config={"norm_before_fc": True}),
-                          norm_before_fc=True), r"eagle_config.norm_before_fc=True but norm_before_fc=False"),
-        "pair": (dict(edit=lambda c: c.update(norm_before_fc=True), fc_norm=True, norm_before_fc=True),
-                 r"fc_norm=True with norm_before_fc=True \(speculators refuses the pair, vLLM applies input_norm "
-                 r"before the per-tap norms"),
-    }  # fmt: skip
+        "disagree": (
+            dict(
+                edit=lambda c: c.update(norm_before_fc=False, eagle_config={"norm_before_fc": True}),
+                norm_before_fc=True,
+            ),
+            r"eagle_config.norm_before_fc=True but norm_before_fc=False",
+        ),
+        "pair": (
+            dict(edit=lambda c: c.update(norm_before_fc=True), fc_norm=True, norm_before_fc=True),
+            r"fc_norm=True with norm_before_fc=True \(speculators refuses the pair, vLLM applies input_norm "
+            r"before the per-tap norms",
+        ),
+    }
     for name, (options, message) in bad.items():
         with pytest.raises(ValueError, match=message), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -279,8 +318,9 @@ def test_fusion_norms_read_as_the_servers_read_them(tmp_path, target):
 def test_the_speculators_layout_refuses_what_its_readers_run_apart(tmp_path, target):
     s = spec(layout="speculators", fc_norm=True, norm_before_fc=True, embed="target")
     with pytest.raises(ValueError, match=r"speculators config sets fc_norm=True with norm_before_fc=True"):
-        Eagle3DraftModel.from_pretrained(write_checkpoint(tmp_path / "pair", external_config(s),
-                                                          draft_weights(s, target), s))  # fmt: skip
+        Eagle3DraftModel.from_pretrained(
+            write_checkpoint(tmp_path / "pair", external_config(s), draft_weights(s, target), s)
+        )
     s = spec(layout="speculators", embed="target")
     config = {**external_config(s), "num_aux_hidden_states": 4}
     with pytest.raises(ValueError, match=r"num_aux_hidden_states=4; eagle3_hf drafts fuse exactly 3"):
@@ -294,11 +334,17 @@ def test_a_reading_a_checkpoint_states_one_way_must_agree(tmp_path, target):
     for layout in ("native", "spec"):
         path = tmp_path / layout
         assert Eagle3DraftModel.from_pretrained(path, norm_output=True, target_layer_ids=[2, 4, 5]).config.norm_output
-        with pytest.raises(ValueError, match=r"norm_output=False was passed, but the (native|speculators) checkpoint "
-                                             r".* can be read only as norm_output=True \(as it states\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"norm_output=False was passed, but the (native|speculators) checkpoint "
+            r".* can be read only as norm_output=True \(as it states\)",
+        ):
             Eagle3DraftModel.from_pretrained(path, norm_output=False)
-        with pytest.raises(ValueError, match=r"target_layer_ids=\[3, 3, 3\] was passed, .* can be read only as "
-                                             r"target_layer_ids=\[2, 4, 5\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"target_layer_ids=\[3, 3, 3\] was passed, .* can be read only as "
+            r"target_layer_ids=\[2, 4, 5\]",
+        ):
             Eagle3DraftModel.from_pretrained(path, target_layer_ids=[3, 3, 3])
     with pytest.raises(ValueError, match="norm_output must be True or False, got 'true'"):
         Eagle3DraftModel.from_pretrained(tmp_path / "native", norm_output="true")
@@ -306,8 +352,11 @@ def test_a_reading_a_checkpoint_states_one_way_must_agree(tmp_path, target):
 
 def test_the_official_export_refuses_taps_its_readers_would_read_apart(tmp_path, target):
     draft = randomized_draft(target, target_layer_ids=[3, 3, 3])
-    with pytest.raises(ValueError, match=r"target_layer_ids=\[3, 3, 3\] \(SGLang reads the layout's output-of-layer "
-                                         r"ids as such only when the first is 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"target_layer_ids=\[3, 3, 3\] \(SGLang reads the layout's output-of-layer "
+        r"ids as such only when the first is 1",
+    ):
         save_eagle(draft, tmp_path / "eagle")
     save_speculators(draft, tmp_path / "spec")  # input-of-layer ids, which every speculators reader takes as they are
     assert Eagle3DraftModel.from_pretrained(tmp_path / "spec").config.target_layer_ids == [3, 3, 3]

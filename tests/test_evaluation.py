@@ -32,8 +32,9 @@ def test_metrics_are_full_vocabulary_and_independent_of_batching(tiny_setup, tmp
         simulated_acceptance_length(accs), abs=1e-3
     )
     # The trainer's evaluation is the same measurement.
-    args = Eagle3TrainingArguments(str(tmp_path), ttt_length=3, per_device_eval_batch_size=2, report_to="none",
-                                   use_cpu=True)  # fmt: skip
+    args = Eagle3TrainingArguments(
+        str(tmp_path), ttt_length=3, per_device_eval_batch_size=2, report_to="none", use_cpu=True
+    )
     metrics = Eagle3Trainer(draft, args, target=target, eval_dataset=rows).evaluate()
     for key in ("acc_0", "acc_1", "acc_2", "coverage"):
         assert metrics[f"eval_{key}"] == pytest.approx(one[key], abs=1e-4)
@@ -44,14 +45,54 @@ def test_metrics_are_full_vocabulary_and_independent_of_batching(tiny_setup, tmp
 def test_evaluate_command_and_the_model_card(chat_target, tmp_path, capsys):
     folder, data = chat_target
     draft_dir = tmp_path / "draft"
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(draft_dir),
-                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "48",
-                     "--held-out-fraction", "0"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(draft_dir),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--draft-vocab-size",
+                "48",
+                "--held-out-fraction",
+                "0",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     out = tmp_path / "eval.json"
-    assert cli_main(["evaluate", "--target", str(folder), "--draft", str(draft_dir), "--data", str(data),
-                     "--split", "all", "--ttt-length", "3", "--dtype", "float32", "--json", str(out),
-                     "--record", "MT-bench turn 1"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "evaluate",
+                "--target",
+                str(folder),
+                "--draft",
+                str(draft_dir),
+                "--data",
+                str(data),
+                "--split",
+                "all",
+                "--ttt-length",
+                "3",
+                "--dtype",
+                "float32",
+                "--json",
+                str(out),
+                "--record",
+                "MT-bench turn 1",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| acc_0 | acc_1 | acc_2 | coverage |" in printed
     metrics = json.loads(out.read_text())[str(draft_dir)]
@@ -63,9 +104,44 @@ def test_evaluate_command_and_the_model_card(chat_target, tmp_path, capsys):
     assert "| MT-bench turn 1 |" in card and f"{metrics['acc_0']:.3f}" in card
     # The held-out split (2% by id hash) of these twelve is one conversation (sum-3); at 0.5% there is none, and the
     # evaluation says so instead of scoring nothing.
-    assert cli_main(["evaluate", "--target", str(folder), "--draft", str(draft_dir), "--data", str(data),
-                     "--dtype", "float32", "--ttt-length", "2", "--json", str(out), "--overwrite-output-dir"]) == 0
+    assert (
+        cli_main(
+            [
+                "evaluate",
+                "--target",
+                str(folder),
+                "--draft",
+                str(draft_dir),
+                "--data",
+                str(data),
+                "--dtype",
+                "float32",
+                "--ttt-length",
+                "2",
+                "--json",
+                str(out),
+                "--overwrite-output-dir",
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())[str(draft_dir)]["conversations"] == 1
-    assert cli_main(["evaluate", "--target", str(folder), "--draft", str(draft_dir), "--data", str(data),
-                     "--dtype", "float32", "--held-out-fraction", "0.005"]) == 2  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "evaluate",
+                "--target",
+                str(folder),
+                "--draft",
+                str(draft_dir),
+                "--data",
+                str(data),
+                "--dtype",
+                "float32",
+                "--held-out-fraction",
+                "0.005",
+            ]
+        )
+        == 2
+    )
     assert "requested split" in capsys.readouterr().err

@@ -14,14 +14,14 @@ import dataclasses
 import exactness
 import pytest
 import torch
+from exactness import EXPECTATIONS, assert_near_ties, case, expectation, probe_for, rowwise_linears
+from test_generation import FAMILIES, SHAPE
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.bench.report import NEAR_TIE_ULPS, ulp
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.utils.compat import cache_kwargs
-from exactness import EXPECTATIONS, assert_near_ties, case, expectation, probe_for, rowwise_linears
-from test_generation import FAMILIES, SHAPE
 
 V = 256  # a larger vocabulary than test_generation's: bf16 near-ties between candidates become common
 # Wider than test_generation's shapes: on this CPU a bf16 nn.Linear with 64 input features and 32-64 outputs is not
@@ -34,7 +34,9 @@ def bf16_target(family, implementation="sdpa", seed=0):
     model_class, config_class, extra = FAMILIES[family]
     extra = {k: v for k, v in extra.items() if k != "initializer_range"}  # default init: near-ties happen
     if "head_dim" in extra:
-        extra = {**extra, "head_dim": 32, "query_pre_attn_scalar": 32} if family == "gemma3" else {**extra, "head_dim": 32}
+        extra = (
+            {**extra, "head_dim": 32, "query_pre_attn_scalar": 32} if family == "gemma3" else {**extra, "head_dim": 32}
+        )
     torch.manual_seed(seed)
     config = config_class(**{**SHAPE, **BF16_SHAPE, **extra, "vocab_size": V})
     config._attn_implementation = implementation
@@ -75,9 +77,13 @@ def tree_rows(target, prompt, tokens, parents, exact):
         if state is not None:
             state.set_tree(torch.tensor(parents), past)
         out = target(
-            tokens[None], use_cache=True, **cache_kwargs(cache), position_ids=(past + torch.tensor(depths))[None],
-            attention_mask=target_tree_mask(target.config, mask, past, target.dtype), **extra,
-        )  # fmt: skip
+            tokens[None],
+            use_cache=True,
+            **cache_kwargs(cache),
+            position_ids=(past + torch.tensor(depths))[None],
+            attention_mask=target_tree_mask(target.config, mask, past, target.dtype),
+            **extra,
+        )
     return out.logits[0]
 
 
@@ -146,8 +152,9 @@ NEW = 40  # well past the 5-token sliding windows of the Mistral and Gemma3 targ
 
 
 def greedy(target, prompt, **kwargs):
-    return target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW,
-                           **kwargs).tolist()  # fmt: skip
+    return target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW, **kwargs
+    ).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -229,12 +236,12 @@ def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, smollm2_bf16, exp
     shipped draft: EAGLE-3's greedy output equals plain bf16 greedy decoding over 128 tokens of real prompts where the
     probe proves row-exact verification bit for bit on this CPU, and leaves it only at near-ties of the fp32 target
     elsewhere (an AMD EPYC without AMX rounds SmolLM2's `mlp.down_proj` over 16 rows differently from one row)."""
+    from test_generation import mt_bench_questions
     from transformers import AutoTokenizer
 
     from eagle3_hf.draft_names import load_draft_for
     from eagle3_hf.modeling.shipped import SMOLLM2
     from eagle3_hf.targets import load_target
-    from test_generation import mt_bench_questions
 
     target = smollm2_bf16
     probe = case(target, expect)
@@ -248,8 +255,17 @@ def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, smollm2_bf16, exp
         ids = ids["input_ids"]
         kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=128)
         expected = target.generate(ids, **kwargs)
-        out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, adaptive_tree=False,
-                              tree_depth=5, tree_top_k=4, tree_total_tokens=24, exact_verify=True, **kwargs)  # fmt: skip
+        out = target.generate(
+            ids,
+            assistant_model=draft,
+            return_dict_in_generate=True,
+            adaptive_tree=False,
+            tree_depth=5,
+            tree_top_k=4,
+            tree_total_tokens=24,
+            exact_verify=True,
+            **kwargs,
+        )
         label = f"question {question['question_id']}"
         if expect == "exact":
             assert out.sequences.tolist() == expected.tolist(), label

@@ -25,8 +25,14 @@ V, HUB_ID = 96, "tiny-org/tiny-llama"
 
 
 def tiny_llama(vocab=V):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -85,8 +91,9 @@ def test_each_layout_reloads_bit_identical(setup, tmp_path, capsys, to, flags, r
         assert embedding.dtype == torch.float32 and torch.equal(embedding, target.get_input_embeddings().weight)
     for dtype in ("auto", torch.float32):  # bfloat16 as shipped, and float32, where a rounded embedding would show
         source = Eagle3DraftModel.from_pretrained(root / "shipped", target=target, dtype=dtype)
-        back = Eagle3DraftModel.from_pretrained(tmp_path / "out", dtype=dtype,
-                                                **({"target": target} if reload_with_target else {}))  # fmt: skip
+        back = Eagle3DraftModel.from_pretrained(
+            tmp_path / "out", dtype=dtype, **({"target": target} if reload_with_target else {})
+        )
         assert back.fc.weight.dtype == source.fc.weight.dtype == (torch.bfloat16 if dtype == "auto" else dtype)
         assert torch.equal(logits(back), logits(source))
 
@@ -176,8 +183,15 @@ def test_verifier_path_records_a_local_folder(setup, tmp_path, capsys):
     code, out, err = run(capsys, "convert", root / "shipped", tmp_path / "hub", *common)
     assert code == 0, err
     assert f"Recorded the verifier as the Hub id '{HUB_ID}'" in out and "--verifier-path" in out
-    code, out, err = run(capsys, "convert", root / "shipped", tmp_path / "local", *common, "--verifier-path",
-                         os.path.relpath(root / "target"))  # fmt: skip
+    code, out, err = run(
+        capsys,
+        "convert",
+        root / "shipped",
+        tmp_path / "local",
+        *common,
+        "--verifier-path",
+        os.path.relpath(root / "target"),
+    )
     assert code == 0, err
     folder = str(root / "target")
     assert f"Recorded the verifier as the local folder '{folder}'" in out and "offline" in out

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from eagle3_hf import Eagle3DraftModel
-from eagle3_hf.training import features as features_module
 from eagle3_hf.cli import main as cli_main
+from eagle3_hf.training import features as features_module
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
 from eagle3_hf.training.features import FEATURES_FORMAT, estimate_feature_bytes, online_features, precompute_features
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
@@ -28,8 +28,11 @@ def setup(tiny_setup):
 def test_online_and_offline_batches_and_losses_are_identical(setup, tmp_path):
     target, draft, rows = setup
     paths = precompute_features(target, rows, tmp_path, top_k=8, dtype=torch.float32, shard_size=2, batch_size=2)
-    assert [os.path.basename(p) for p in paths] == ["shard_00000.safetensors", "shard_00001.safetensors",
-                                                    "shard_00002.safetensors"]  # fmt: skip
+    assert [os.path.basename(p) for p in paths] == [
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+        "shard_00002.safetensors",
+    ]
     data = OfflineFeatureDataset(tmp_path)
     assert len(data) == 5 and data.layer_ids == [2, 4, 5] and data.top_k == 8
     collate = Eagle3DataCollator()
@@ -50,8 +53,10 @@ def test_online_and_offline_batches_and_losses_are_identical(setup, tmp_path):
     real = online["attention_mask"].bool()
     assert torch.equal(top_ids[..., 0][real].long(), full.argmax(-1)[real])
     outs = []
-    for h, lg, ids in ((features, top_logits, top_ids),
-                       (offline["target_hidden_states"], offline["target_top_logits"], offline["target_top_ids"])):
+    for h, lg, ids in (
+        (features, top_logits, top_ids),
+        (offline["target_hidden_states"], offline["target_top_logits"], offline["target_top_ids"]),
+    ):
         step_logits = ttt_forward(draft, online["input_ids"], h, online["attention_mask"], ttt_length=3)
         outs.append(ttt_loss(step_logits, lg, online["loss_mask"], draft.t2d, target_ids=ids))
     torch.testing.assert_close(outs[0].loss, outs[1].loss, atol=1e-5, rtol=1e-5)
@@ -153,7 +158,6 @@ def test_bad_arguments_raise(setup, tmp_path):
 # command line
 
 
-
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["vocab", "--help"])
@@ -167,32 +171,115 @@ def test_help(capsys):
 def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
     folder, data = chat_target
     vocab_file = tmp_path / "vocab.safetensors"
-    assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
-                     "--draft-vocab-size", "64"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "vocab",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(vocab_file),
+                "--draft-vocab-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "covers 100.00% of the training conversations' supervised tokens" in printed
     assert "Coverage of the target's supervised tokens by draft vocabulary size" in printed
     out = tmp_path / "features"
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
-                     "--logits-top-k", "16", "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "features",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(out),
+                "--logits-top-k",
+                "16",
+                "--shard-size",
+                "5",
+                "--storage-dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     data_set = OfflineFeatureDataset(out)  # sum-3 is held out (id hash below 2%): 11 of the 12 conversations
     assert len(data_set) == 11 and data_set.manifest["logits_top_k"] == 16
     held_out = tmp_path / "held_out"
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(held_out),
-                     "--split", "held-out"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            ["features", "--target", str(folder), "--data", str(data), "--output", str(held_out), "--split", "held-out"]
+        )
+        == 0
+    )
     assert len(OfflineFeatureDataset(held_out)) == 1
     # A second run finds every shard done; data without assistant turns is refused cleanly.
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(out),
-                     "--logits-top-k", "16", "--shard-size", "5", "--storage-dtype", "float32"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "features",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(out),
+                "--logits-top-k",
+                "16",
+                "--shard-size",
+                "5",
+                "--storage-dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     assert "0 of 3 shards" in capsys.readouterr().out
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
     written = vocab_file.read_bytes()
-    assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
-                     "--draft-vocab-size", "64"]) == 2  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "vocab",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(vocab_file),
+                "--draft-vocab-size",
+                "64",
+            ]
+        )
+        == 2
+    )
     assert "already exists; pass --overwrite-output-dir" in capsys.readouterr().err
-    assert cli_main(["vocab", "--target", str(folder), "--data", str(prompts), "--output", str(vocab_file),
-                     "--draft-vocab-size", "64", "--overwrite-output-dir"]) == 2  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "vocab",
+                "--target",
+                str(folder),
+                "--data",
+                str(prompts),
+                "--output",
+                str(vocab_file),
+                "--draft-vocab-size",
+                "64",
+                "--overwrite-output-dir",
+            ]
+        )
+        == 2
+    )
     assert "has an assistant turn" in capsys.readouterr().err
     assert vocab_file.read_bytes() == written  # a failed run leaves the earlier file whole
     shutil.rmtree(out)
@@ -229,13 +316,44 @@ def test_an_online_run_resumes_on_the_offline_features_of_its_data(chat_target, 
     order, the trainer's sampler depends only on the seed and the data set's length, and fp32 features are the
     online ones."""
     folder, data = chat_target
-    common = ["--target", folder, "--ttt-length", "2", "--draft-vocab-size", "64", "--logging-steps", "1",
-              "--max-steps", "4", "--save-steps", "2", "--save-total-limit", "0", "--batch-size", "2",
-              "--seed", "5"]  # fmt: skip
+    common = [
+        "--target",
+        folder,
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--logging-steps",
+        "1",
+        "--max-steps",
+        "4",
+        "--save-steps",
+        "2",
+        "--save-total-limit",
+        "0",
+        "--batch-size",
+        "2",
+        "--seed",
+        "5",
+    ]
     online, switched, feats = tmp_path / "online", tmp_path / "switched", tmp_path / "features"
     assert cli_main([str(a) for a in ("train", "--data", data, "--output", online, *common)]) == 0
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(feats),
-                     "--storage-dtype", "float32"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "features",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(feats),
+                "--storage-dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     shutil.copytree(online / "checkpoint-2", switched / "checkpoint-2")
     capsys.readouterr()
     assert cli_main([str(a) for a in ("train", "--features", feats, "--output", switched, *common, "--resume")]) == 0

@@ -51,8 +51,18 @@ def accelerate_launch(mode: str, tmp_path: pathlib.Path) -> dict:
     """The worker's `mode` in 2 processes under `accelerate launch` with the FSDP config above."""
     config = tmp_path / "fsdp.yaml"
     config.write_text(ACCELERATE_FSDP_CONFIG)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--main_process_port", str(free_port()), str(WORKER), mode, str(tmp_path / "runs")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        str(WORKER),
+        mode,
+        str(tmp_path / "runs"),
+    ]
     return launch(command, tmp_path)
 
 
@@ -106,8 +116,9 @@ def test_fsdp_trains_a_deeper_draft_as_one_process_does(tmp_path):
     assert summary["units"] == [True, True]  # each decoder layer is an FSDP unit, gathered around its own TTT calls
     target, dataset = worker.tiny.make_tiny_target(), worker.tiny.synthetic_dataset()
     args = worker.training_args(tmp_path / "single", max_steps=3, gradient_accumulation_steps=2, save_strategy="no")
-    single = Eagle3Trainer(worker.new_draft(target, dataset, num_hidden_layers=2), args, target=target,
-                           train_dataset=dataset)  # fmt: skip
+    single = Eagle3Trainer(
+        worker.new_draft(target, dataset, num_hidden_layers=2), args, target=target, train_dataset=dataset
+    )
     single.train()
     expected, sharded = worker.losses(single), by_step(summary["losses"])
     assert sharded.keys() == expected.keys() == {1, 2, 3}
@@ -117,15 +128,53 @@ def test_fsdp_trains_a_deeper_draft_as_one_process_does(tmp_path):
 
 def test_features_in_two_processes_equal_one_process_and_train_cli_under_fsdp(chat_target, tmp_path):
     folder, data = chat_target
-    common = ["features", "--target", str(folder), "--data", str(data), "--shard-size", "3",
-              "--storage-dtype", "float32"]  # fmt: skip
+    common = [
+        "features",
+        "--target",
+        str(folder),
+        "--data",
+        str(data),
+        "--shard-size",
+        "3",
+        "--storage-dtype",
+        "float32",
+    ]
     two, one, run = tmp_path / "two", tmp_path / "one", tmp_path / "run"
-    train = ["train", "--target", str(folder), "--data", str(data), "--output", str(run), "--max-steps", "2",
-             "--ttt-length", "2", "--draft-vocab-size", "64", "--save-steps", "1", "--logging-steps", "1",
-             "--fsdp", "full_shard auto_wrap"]  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(WORKER), "cli", str(tmp_path), json.dumps(common + ["--output", str(two)]),
-               json.dumps(train)]  # fmt: skip
+    train = [
+        "train",
+        "--target",
+        str(folder),
+        "--data",
+        str(data),
+        "--output",
+        str(run),
+        "--max-steps",
+        "2",
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--save-steps",
+        "1",
+        "--logging-steps",
+        "1",
+        "--fsdp",
+        "full_shard auto_wrap",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        "cli",
+        str(tmp_path),
+        json.dumps(common + ["--output", str(two)]),
+        json.dumps(train),
+    ]
     assert launch(command, tmp_path)["codes"] == [0, 0]
 
     # The same command in one process (the target placed by accelerate's device_map) writes the same data set.
@@ -150,9 +199,11 @@ def test_features_in_two_processes_equal_one_process_and_train_cli_under_fsdp(ch
 def test_unsupported_distributed_set_ups_are_refused(target_and_data, tmp_path, monkeypatch):
     fsdp2 = dict(fsdp_version=2, cpu_ram_efficient_loading=False, activation_checkpointing=False)
     check_fsdp_plugin(types.SimpleNamespace(**fsdp2))
-    cases = [({"fsdp_version": 1}, "Only FSDP2 is supported, got fsdp_version=1"),
-             ({"cpu_ram_efficient_loading": True}, "cpu_ram_efficient_loading is not supported"),
-             ({"activation_checkpointing": True}, "use gradient_checkpointing=True")]  # fmt: skip
+    cases = [
+        ({"fsdp_version": 1}, "Only FSDP2 is supported, got fsdp_version=1"),
+        ({"cpu_ram_efficient_loading": True}, "cpu_ram_efficient_loading is not supported"),
+        ({"activation_checkpointing": True}, "use gradient_checkpointing=True"),
+    ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
             check_fsdp_plugin(types.SimpleNamespace(**{**fsdp2, **change}))
@@ -171,9 +222,21 @@ def test_the_program_ends_its_process_group_and_a_caller_keeps_it(chat_target, t
     import torch.distributed as dist
 
     folder, data = chat_target
-    vocab = ["vocab", "--target", str(folder), "--output", str(tmp_path / "vocab.safetensors"), "--overwrite-output-dir",
-             "--draft-vocab-size", "32", "--data"]  # fmt: skip
-    cases = [(vocab + [str(data)], 0), (vocab + [str(tmp_path / "missing.jsonl")], 2)]  # a run that finishes, one refused
+    vocab = [
+        "vocab",
+        "--target",
+        str(folder),
+        "--output",
+        str(tmp_path / "vocab.safetensors"),
+        "--overwrite-output-dir",
+        "--draft-vocab-size",
+        "32",
+        "--data",
+    ]
+    cases = [
+        (vocab + [str(data)], 0),
+        (vocab + [str(tmp_path / "missing.jsonl")], 2),
+    ]  # a run that finishes, one refused
     for number, (argv, code) in enumerate(cases):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{number}'}", rank=0, world_size=1)
         try:

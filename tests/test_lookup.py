@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_generation import FAMILIES, NEW, V, cached_cases, eagle, plain
+from test_generation import FAMILIES, NEW, V, cached_cases, eagle
 from test_sampling import chi_square
 
 from eagle3_hf import ContextLookup
@@ -58,8 +58,9 @@ def test_hybrid_greedy_matches_plain_generate(cases, family, tree):
     target, draft, prompts, references = cases(family)
     totals = [0, 0, 0]
     for prompt, reference in zip(prompts, references):
-        out = eagle(target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, context_lookup=True,
-                    **HYBRID[tree])  # fmt: skip
+        out = eagle(
+            target, draft, prompt, max_new_tokens=NEW, return_dict_in_generate=True, context_lookup=True, **HYBRID[tree]
+        )
         assert out.sequences.tolist() == reference.tolist(), f"{family}/{tree}, prompt of {prompt.shape[1]} tokens"
         assert len(out.accept_sources) == len(out.accept_lengths)
         for i, c in enumerate((out.accepted_from_draft, out.accepted_from_lookup, out.accepted_from_both)):
@@ -82,8 +83,15 @@ def test_model_free_lookup_matches_plain_generate(cases, family, options):
     lookup = ContextLookup().bind(target)
     accepted = 0
     for prompt, reference in zip(prompts, references):
-        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=lookup,
-                              do_sample=False, max_new_tokens=NEW, return_dict_in_generate=True, **options)  # fmt: skip
+        out = target.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            assistant_model=lookup,
+            do_sample=False,
+            max_new_tokens=NEW,
+            return_dict_in_generate=True,
+            **options,
+        )
         assert out.sequences.tolist() == reference.tolist(), f"{family} {options}, prompt of {prompt.shape[1]}"
         assert out.accepted_from_draft == 0 and out.accepted_from_both == 0
         accepted += out.accepted_from_lookup
@@ -113,8 +121,9 @@ def test_model_free_lookup_refuses_prompt_lookup_and_binds_once(cases):
 def test_graft_merges_equal_nodes_and_keeps_the_best():
     #  draft: 0:r -> 1:a(0.6) -> 3:c(0.3) ; 0 -> 2:b(0.3)
     scores = torch.tensor([0.0, math.log(0.6), math.log(0.3), math.log(0.3)])
-    draft = DraftTree.from_parents(tokens=torch.tensor([9, 1, 2, 3]), parents=torch.tensor([-1, 0, 0, 1]),
-                                   scores=scores)  # fmt: skip
+    draft = DraftTree.from_parents(
+        tokens=torch.tensor([9, 1, 2, 3]), parents=torch.tensor([-1, 0, 0, 1]), scores=scores
+    )
     # lookup: r -> a -> d -> e (one continuation, on a match of 8 tokens)
     trie = build_trie([7, 1, 4, 5, 7], [(1, 8)], depth=3)
     assert trie.tokens == [-1, 1, 4, 5]
@@ -205,8 +214,15 @@ def test_sampling_with_point_masses_and_removed_duplicates_is_lossless():
                 rows.append(torch.full((vocab,), 1.0 / vocab, dtype=torch.float64))
                 probs.append(torch.zeros(vocab, dtype=torch.float64))
         point = [False, True, True] + [False] * (len(tokens) - 3)
-        result = sample_accept(torch.tensor(tokens), torch.tensor(parents), torch.stack(rows), torch.stack(probs),
-                               generator=gen, point_mass=point, draws={0: draws})  # fmt: skip
+        result = sample_accept(
+            torch.tensor(tokens),
+            torch.tensor(parents),
+            torch.stack(rows),
+            torch.stack(probs),
+            generator=gen,
+            point_mass=point,
+            draws={0: draws},
+        )
         out = [tokens[i] for i in result.path[1:]] + [result.bonus_token]
         if len(out) < 2:
             out.append(int(torch.multinomial(P1[out[0]], 1, generator=gen)))
@@ -220,8 +236,19 @@ def test_sampling_with_point_masses_and_removed_duplicates_is_lossless():
 
 def test_sample_accept_checks_the_mixed_tree():
     with pytest.raises(ValueError, match="must come before"):
-        sample_accept(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]), torch.full((3, 4), 0.25),
-                      torch.full((3, 4), 0.25), point_mass=[False, False, True])  # fmt: skip
+        sample_accept(
+            torch.tensor([0, 1, 2]),
+            torch.tensor([-1, 0, 0]),
+            torch.full((3, 4), 0.25),
+            torch.full((3, 4), 0.25),
+            point_mass=[False, False, True],
+        )
     with pytest.raises(ValueError, match="draws"):
-        sample_accept(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]), torch.full((3, 4), 0.25),
-                      torch.full((3, 4), 0.25), point_mass=[False, True, False], draws={0: [3]})  # fmt: skip
+        sample_accept(
+            torch.tensor([0, 1, 2]),
+            torch.tensor([-1, 0, 0]),
+            torch.full((3, 4), 0.25),
+            torch.full((3, 4), 0.25),
+            point_mass=[False, True, False],
+            draws={0: [3]},
+        )

@@ -14,15 +14,16 @@ import torch
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
+from eagle3_hf.training.features import online_features
 from eagle3_hf.training.head_loss import head_cross_entropy, ttt_head_kwargs
 from eagle3_hf.training.losses import LOSSES, check_loss, row_losses
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
-from eagle3_hf.training.features import online_features
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
 torch.set_num_threads(1)
-_spec = importlib.util.spec_from_file_location("train_tiny", pathlib.Path(__file__).parents[1] / "examples" /
-                                               "train_tiny.py")  # fmt: skip
+_spec = importlib.util.spec_from_file_location(
+    "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
+)
 tiny = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny)
 
@@ -109,10 +110,13 @@ def test_the_default_is_the_cross_entropy_unchanged():
 
 
 def test_bad_loss_names_are_refused_by_name(tmp_path, capsys):
-    for call in (lambda: check_loss("kl"), lambda: row_losses("kl", torch.zeros(1, 2), torch.ones(1, 2) / 2),
-                 lambda: head_cross_entropy(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(2, 3) / 3, loss="kl"),
-                 lambda: ttt_head_kwargs(torch.nn.Linear(4, 3, bias=False), None, None, "kl"),
-                 lambda: Eagle3TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", loss="kl")):  # fmt: skip
+    for call in (
+        lambda: check_loss("kl"),
+        lambda: row_losses("kl", torch.zeros(1, 2), torch.ones(1, 2) / 2),
+        lambda: head_cross_entropy(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(2, 3) / 3, loss="kl"),
+        lambda: ttt_head_kwargs(torch.nn.Linear(4, 3, bias=False), None, None, "kl"),
+        lambda: Eagle3TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", loss="kl"),
+    ):
         with pytest.raises(ValueError, match=r"loss must be one of forward_kl, tv, lk; got 'kl'"):
             call()
     with pytest.raises(SystemExit):
@@ -135,9 +139,19 @@ def dataset():
 
 
 def make_args(output_dir, **overrides):
-    values = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-                  ttt_length=3, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
-                  use_cpu=True)  # fmt: skip
+    values = dict(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        ttt_length=3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+    )
     values.update(overrides)
     return Eagle3TrainingArguments(**values)
 
@@ -217,11 +231,20 @@ class ScriptedAcceptance(Eagle3Trainer):
 
 @pytest.mark.parametrize("lengths, best", [([2.5, 1.5], 1), ([1.5, 2.5], 2)])
 def test_the_better_of_two_checkpoints_is_kept(target, dataset, tmp_path, lengths, best):
-    args = make_args(tmp_path, metric_for_best_model="sim_accept_len", eval_strategy="steps", eval_steps=1,
-                     save_strategy="steps", save_steps=1, save_total_limit=1, load_best_model_at_end=True)  # fmt: skip
+    args = make_args(
+        tmp_path,
+        metric_for_best_model="sim_accept_len",
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+    )
     draft = new_draft(target)
-    trainer = ScriptedAcceptance(draft, args, target=target, train_dataset=dataset,
-                                 eval_dataset=dataset.select(range(2)), lengths=lengths)  # fmt: skip
+    trainer = ScriptedAcceptance(
+        draft, args, target=target, train_dataset=dataset, eval_dataset=dataset.select(range(2)), lengths=lengths
+    )
     trainer.train()
     assert trainer.state.best_metric == 2.5
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
@@ -237,13 +260,42 @@ def test_the_better_of_two_checkpoints_is_kept(target, dataset, tmp_path, length
 def test_train_command_records_the_loss_and_selects_by_acceptance(chat_target, tmp_path, capsys):
     folder, data = chat_target
     out = tmp_path / "run"
-    common = ["train", "--target", str(folder), "--data", str(data), "--max-steps", "2", "--ttt-length", "2",
-              "--draft-vocab-size", "40", "--held-out-fraction", "0.25"]  # fmt: skip
+    common = [
+        "train",
+        "--target",
+        str(folder),
+        "--data",
+        str(data),
+        "--max-steps",
+        "2",
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "40",
+        "--held-out-fraction",
+        "0.25",
+    ]
     # a metric needs an evaluation to select by
     assert cli_main([*common, "--output", str(tmp_path / "no-eval"), "--metric-for-best-model", "sim_accept_len"]) == 2
     assert "--metric-for-best-model sim_accept_len selects checkpoints" in capsys.readouterr().err
-    assert cli_main([*common, "--output", str(out), "--loss", "lk", "--eval-steps", "1", "--save-steps", "1",
-                     "--metric-for-best-model", "sim_accept_len"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                *common,
+                "--output",
+                str(out),
+                "--loss",
+                "lk",
+                "--eval-steps",
+                "1",
+                "--save-steps",
+                "1",
+                "--metric-for-best-model",
+                "sim_accept_len",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "training_info.json").read_text())["loss"] == "lk"
     assert "loss `lk`" in (out / "README.md").read_text()
     state = json.loads((out / "trainer_state.json").read_text())

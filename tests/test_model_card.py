@@ -21,16 +21,30 @@ from eagle3_hf.bench.cards import bench_card, write_bench_card
 
 ROOT = pathlib.Path(__file__).parents[1]
 TARGET_ID = "tiny-org/tiny-llama"
-REPORT = {"tau": 3.456, "speedup": 2.01, "identical": 1.0, "environment": {"cpu": "x86_64", "threads": 1},
-          "tau_chain": 2.5, "acceptance_by_depth": [0.7, 0.6, None],
-          "config": {"dtype": "float32", "num_prompts": 10, "max_new_tokens": 128}}  # fmt: skip
+REPORT = {
+    "tau": 3.456,
+    "speedup": 2.01,
+    "identical": 1.0,
+    "environment": {"cpu": "x86_64", "threads": 1},
+    "tau_chain": 2.5,
+    "acceptance_by_depth": [0.7, 0.6, None],
+    "config": {"dtype": "float32", "num_prompts": 10, "max_new_tokens": 128},
+}
 
 
 @pytest.fixture(scope="module")
 def draft():
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=96)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+        )
+    ).eval()
     target.config._name_or_path = TARGET_ID
     target.config.architectures = ["LlamaForCausalLM"]
     return Eagle3DraftModel.from_target(target)
@@ -70,8 +84,13 @@ def test_bench_card_puts_acceptance_by_depth_in_the_metadata(draft, tmp_path):
     card = ModelCard.load(tmp_path / "README.md")
     check_metadata(card)
     metrics = {r.metric_type: r.metric_value for r in card.data.eval_results}
-    assert metrics == {"mean_accepted_tokens": 3.456, "mean_accepted_tokens_chain": 2.5, "speedup": 2.01,
-                       "acceptance_rate_depth_1": 0.7, "acceptance_rate_depth_2": 0.6}  # fmt: skip
+    assert metrics == {
+        "mean_accepted_tokens": 3.456,
+        "mean_accepted_tokens_chain": 2.5,
+        "speedup": 2.01,
+        "acceptance_rate_depth_1": 0.7,
+        "acceptance_rate_depth_2": 0.6,
+    }
     assert "| 3.46 | 2.01x | 100% | x86_64 (1 thread) | float32 |" in card.text
     assert "tau 2.50; acceptance by depth (n-alpha) 0.70 / 0.60 / n/a." in card.text
     assert "near-ties" not in card.text  # float32: the verification is exact
@@ -109,11 +128,20 @@ def test_trainer_writes_our_card_not_the_stock_one(draft, tmp_path):
     from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 
     rows = Dataset.from_list([{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}] * 2)
-    args = Eagle3TrainingArguments(str(tmp_path), max_steps=1, report_to="none", use_cpu=True,
-                                   feature_mode="offline", build_draft_vocab=False)  # fmt: skip
-    trainer = Eagle3Trainer(draft, args, train_dataset=rows.map(lambda r: {
-        "target_hidden_states": [[0.0] * 192] * 4, "target_top_logits": [[0.0] * 4] * 4,
-        "target_top_ids": [[0, 1, 2, 3]] * 4}))  # fmt: skip
+    args = Eagle3TrainingArguments(
+        str(tmp_path), max_steps=1, report_to="none", use_cpu=True, feature_mode="offline", build_draft_vocab=False
+    )
+    trainer = Eagle3Trainer(
+        draft,
+        args,
+        train_dataset=rows.map(
+            lambda r: {
+                "target_hidden_states": [[0.0] * 192] * 4,
+                "target_top_logits": [[0.0] * 4] * 4,
+                "target_top_ids": [[0, 1, 2, 3]] * 4,
+            }
+        ),
+    )
     trainer.create_model_card(model_name="x", dataset="y")
     card = ModelCard.load(tmp_path / "README.md")
     check_metadata(card)
@@ -143,16 +171,25 @@ def installed(tmp_path_factory):
     into a folder outside the source tree: (wheel, site folder)."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "src"
-    skip = shutil.ignore_patterns(".venv", ".git", "tests", "examples", "build", "*.egg-info", "__pycache__",
-                                  "work_data", "runs")  # fmt: skip
+    skip = shutil.ignore_patterns(
+        ".venv", ".git", "tests", "examples", "build", "*.egg-info", "__pycache__", "work_data", "runs"
+    )
     shutil.copytree(ROOT, source, ignore=skip)
     pip = [sys.executable, "-m", "pip", "-q"]
-    done = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(source)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     wheel = next((tmp / "dist").glob("eagle3_hf-*.whl"))
-    done = subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return wheel, tmp / "site"
 
@@ -160,8 +197,9 @@ def installed(tmp_path_factory):
 def run_installed(site, *argv, timeout=600):
     """Run a command with the installed copy first on the path, in a folder outside the source tree."""
     env = {**os.environ, "PYTHONPATH": str(site)}
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, cwd=site.parent, env=env,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [str(a) for a in argv], capture_output=True, text=True, cwd=site.parent, env=env, timeout=timeout
+    )
 
 
 def test_the_wheel_ships_the_draft_and_the_template(installed):
@@ -196,8 +234,20 @@ def test_the_wheel_ships_the_draft_and_the_template(installed):
 @pytest.mark.slow
 def test_the_readme_main_command_from_the_installed_wheel(installed):
     _, site = installed
-    done = run_installed(site, sys.executable, site / "bin" / "eagle3-hf", "generate", "--target", "smollm2",
-                         "--max-new-tokens", "8", "--no-compare", "--repeats", "1", timeout=600)  # fmt: skip
+    done = run_installed(
+        site,
+        sys.executable,
+        site / "bin" / "eagle3-hf",
+        "generate",
+        "--target",
+        "smollm2",
+        "--max-new-tokens",
+        "8",
+        "--no-compare",
+        "--repeats",
+        "1",
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     # the shipped draft, found inside the installed package
     assert done.stdout.startswith("Loading SmolLM2-135M-Instruct")

@@ -23,8 +23,14 @@ from transformers import (
 from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
 
 V, L = 1000, 8
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=V)  # fmt: skip
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=L,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=V,
+)
 FAMILIES = {
     "llama": (LlamaForCausalLM, LlamaConfig, {}),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
@@ -166,9 +172,12 @@ def test_a_shipped_draft_loads_by_name_and_an_unknown_name_says_what_there_is(tm
     assert layout == "native" and config["model_type"] == "eagle3_draft" and "fc.weight" in state_dict
     assert shipped_draft_folder("smollm2") is None  # names are the folders' own, exactly
     # Neither a folder nor a shipped draft (nor on the Hub): the error names the value, the shipped drafts, the closest
-    with pytest.raises(ValueError, match=r"'smollm2-135m' is neither a local checkpoint folder, a draft shipped with "
-                                         r"eagle3_hf \(shipped drafts: 'smollm2-135m-instruct'; did you mean "
-                                         r"'smollm2-135m-instruct'\?\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"'smollm2-135m' is neither a local checkpoint folder, a draft shipped with "
+        r"eagle3_hf \(shipped drafts: 'smollm2-135m-instruct'; did you mean "
+        r"'smollm2-135m-instruct'\?\)",
+    ):
         Eagle3DraftModel.from_pretrained("smollm2-135m", local_files_only=True)  # no Hub request from a test
     # A folder of that name in the working directory wins, as a local folder wins over the Hub.
     target = make_target("llama")
@@ -193,8 +202,11 @@ def test_smollm2_draft(smollm2, tmp_path):
     draft = Eagle3DraftModel.from_target(smollm2, draft_vocab_size=4096)
     config = draft.config
     assert (config.hidden_size, config.vocab_size, config.num_attention_heads, config.num_key_value_heads) == (
-        576, 49152, 9, 3,
-    )  # fmt: skip
+        576,
+        49152,
+        9,
+        3,
+    )
     assert config.target_layer_ids == [2, 15, 27] and config.target_num_hidden_layers == 30
     assert torch.equal(draft.embed_tokens.weight, smollm2.get_input_embeddings().weight)
     ids = torch.tensor([[1, 2385, 314, 260, 3174]])
@@ -212,18 +224,26 @@ def test_smollm2_draft(smollm2, tmp_path):
 
 
 def test_save_without_embedding_reloads_with_target(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
     from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     target = LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=64)
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        )
     )
     draft = Eagle3DraftModel.from_target(target)
     draft.save_pretrained(tmp_path, include_embedding=False)
     assert "embed_tokens.weight" not in load_file(tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="no token embedding"):
-        Eagle3DraftModel.from_pretrained(tmp_path)(torch.zeros(1, 2, dtype=torch.long), hidden_states=torch.zeros(1, 2, 32))
+        Eagle3DraftModel.from_pretrained(tmp_path)(
+            torch.zeros(1, 2, dtype=torch.long), hidden_states=torch.zeros(1, 2, 32)
+        )
     reloaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
     assert torch.equal(reloaded.embed_tokens.weight, target.get_input_embeddings().weight)
     assert torch.equal(reloaded.lm_head.weight, draft.lm_head.weight)

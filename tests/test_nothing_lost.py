@@ -122,8 +122,21 @@ def test_resume_takes_the_checkpoints_draft_shape_and_refuses_another(chat_targe
     code, _, err = train(capsys, chat_target, out, "--max-steps", "2", "--resume", "--draft-vocab-size", "80")
     assert_clean_error(code, err, "draft_vocab_size=64", "--draft-vocab-size is 80", "leave --draft-vocab-size out")
     folder, data = chat_target
-    code, text, err = run(capsys, "train", "--target", folder, "--data", data, "--output", out, "--ttt-length", "2",
-                          "--max-steps", "2", "--resume")  # fmt: skip
+    code, text, err = run(
+        capsys,
+        "train",
+        "--target",
+        folder,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--ttt-length",
+        "2",
+        "--max-steps",
+        "2",
+        "--resume",
+    )
     assert code == 0, err
     assert Eagle3DraftModel.from_pretrained(out).config.draft_vocab_size == 64
 
@@ -146,7 +159,9 @@ def test_overwrite_deletes_nothing_before_every_option_is_checked(chat_target, t
 def test_corrupt_data_vocab_and_shards_are_named_in_one_line(chat_target, tmp_path, capsys):
     folder, data = chat_target
     not_utf8 = tmp_path / "latin1.jsonl"
-    not_utf8.write_bytes(data.read_bytes() + '{"conversations": [{"from": "human", "value": "café"}]}\n'.encode("latin-1"))
+    not_utf8.write_bytes(
+        data.read_bytes() + '{"conversations": [{"from": "human", "value": "café"}]}\n'.encode("latin-1")
+    )
     numbers = tmp_path / "numbers.json"
     numbers.write_text("[1, 2, 3]")
     vocab = ["vocab", "--target", folder, "--output", tmp_path / "v.safetensors", "--draft-vocab-size", "64"]
@@ -159,11 +174,25 @@ def test_corrupt_data_vocab_and_shards_are_named_in_one_line(chat_target, tmp_pa
     assert_clean_error(code, err, f"Could not read {str(random_bytes)!r}", "truncated or corrupt")
     # A feature shard cut short (a full disk, a copy stopped midway) is found when the folder is opened.
     features = tmp_path / "features"
-    assert run(capsys, "features", "--target", folder, "--data", data, "--output", features, "--shard-size", "5")[0] == 0
+    assert (
+        run(capsys, "features", "--target", folder, "--data", data, "--output", features, "--shard-size", "5")[0] == 0
+    )
     shard = features / "shard_00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    code, _, err = run(capsys, "train", "--target", folder, "--features", features, "--output", tmp_path / "off",
-                       "--max-steps", "1", "--ttt-length", "2")  # fmt: skip
+    code, _, err = run(
+        capsys,
+        "train",
+        "--target",
+        folder,
+        "--features",
+        features,
+        "--output",
+        tmp_path / "off",
+        "--max-steps",
+        "1",
+        "--ttt-length",
+        "2",
+    )
     assert_clean_error(code, err, f"Could not read {str(shard)!r}", "truncated or corrupt")
 
 
@@ -176,8 +205,9 @@ def test_a_draft_config_whose_heads_do_not_divide_its_width_is_named(tmp_path, t
     config.pop("head_dim", None)
     (draft / "config.json").write_text(json.dumps(config))
     code, _, err = run(capsys, "convert", draft, tmp_path / "out", "--to", "speculators")
-    assert_clean_error(code, err, repr(str(draft)), "hidden size (64) is not a multiple of the number of attention "
-                                                    "heads (5)")  # fmt: skip
+    assert_clean_error(
+        code, err, repr(str(draft)), "hidden size (64) is not a multiple of the number of attention heads (5)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -193,16 +223,31 @@ def test_a_quoted_boolean_in_a_config_file_reads_as_the_command_line_reads_it(tm
         apply_config(parser, {"model_card": value}, "c.yaml")
         return parser.parse_args([]).model_card
 
-    assert [parsed(v) for v in ("false", "False", "no", "0", "true", "yes", False, True)] == [False] * 4 + [True] * 2 + [
-        False, True]  # fmt: skip
+    assert [parsed(v) for v in ("false", "False", "no", "0", "true", "yes", False, True)] == [False] * 4 + [
+        True
+    ] * 2 + [False, True]
     with pytest.raises(SystemExit) as exit_info:
         parsed("maybe")
     assert exit_info.value.code == 2 and "model_card='maybe' is not a boolean" in capsys.readouterr().err
 
 
 def test_a_draft_vocabulary_covering_under_half_the_tokens_warns(chat_target, tmp_path, capsys):
-    code, text, err = run(capsys, "train", "--target", chat_target[0], "--data", chat_target[1], "--output",
-                          tmp_path / "run", "--ttt-length", "2", "--max-steps", "1", "--draft-vocab-size", "3")
+    code, text, err = run(
+        capsys,
+        "train",
+        "--target",
+        chat_target[0],
+        "--data",
+        chat_target[1],
+        "--output",
+        tmp_path / "run",
+        "--ttt-length",
+        "2",
+        "--max-steps",
+        "1",
+        "--draft-vocab-size",
+        "3",
+    )
     assert code == 0, err
     assert "Warning: --draft-vocab-size 3 covers under 50% of the supervised tokens" in text
 
@@ -213,8 +258,9 @@ def test_a_trainer_checkpoint_config_loads_without_a_warning(tmp_path, caplog):
     import json
     import logging
 
-    from eagle3_hf import Eagle3DraftModel
     from test_generation import make_pair
+
+    from eagle3_hf import Eagle3DraftModel
 
     target, draft = make_pair("llama")
     draft.save_pretrained(tmp_path)
@@ -239,17 +285,35 @@ def test_a_run_killed_while_it_checkpoints_resumes_from_a_whole_checkpoint(chat_
 
     folder, data = chat_target
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "eagle3_hf.cli", "train", "--target", str(folder), "--data", str(data),
-               "--output", str(out), "--ttt-length", "2", "--draft-vocab-size", "64", "--save-steps", "1",
-               "--save-total-limit", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "eagle3_hf.cli",
+        "train",
+        "--target",
+        str(folder),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--ttt-length",
+        "2",
+        "--draft-vocab-size",
+        "64",
+        "--save-steps",
+        "1",
+        "--save-total-limit",
+        "0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def saved_steps():
         return [int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")]
 
     # far more steps than it can finish before the kill; a fast machine must not end the run first
-    child = subprocess.Popen([*command, "--max-steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env=env)  # fmt: skip
+    child = subprocess.Popen(
+        [*command, "--max-steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
     try:
         deadline = time.monotonic() + 240
         while max(saved_steps(), default=0) < 3 and child.poll() is None and time.monotonic() < deadline:
@@ -264,8 +328,9 @@ def test_a_run_killed_while_it_checkpoints_resumes_from_a_whole_checkpoint(chat_
     for checkpoint in out.glob("checkpoint-*"):  # every visible checkpoint is whole
         assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "model.safetensors").is_file()
     steps = max(saved_steps())
-    done = subprocess.run([*command, "--max-steps", str(steps + 2), "--resume"], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [*command, "--max-steps", str(steps + 2), "--resume"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"Resuming from {out / f'checkpoint-{steps}'}" in done.stdout + done.stderr
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == steps + 2

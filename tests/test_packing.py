@@ -56,11 +56,19 @@ def losses_and_grads(draft, target, batch, ttt_length=3):
     features, top_logits, top_ids = online_features(
         target, draft, batch["input_ids"], batch["attention_mask"], top_k=V, position_ids=position_ids
     )
-    states = ttt_forward(draft, batch["input_ids"], features, batch["attention_mask"], ttt_length, return_hidden=True,
-                         position_ids=position_ids)  # fmt: skip
+    states = ttt_forward(
+        draft,
+        batch["input_ids"],
+        features,
+        batch["attention_mask"],
+        ttt_length,
+        return_hidden=True,
+        position_ids=position_ids,
+    )
     heads = ttt_head_kwargs(draft.lm_head, contextlib.nullcontext, None)  # the fused head and loss, fp32
-    out = ttt_loss(states, top_logits, batch["loss_mask"], draft.t2d, target_ids=top_ids, position_ids=position_ids,
-                   **heads)  # fmt: skip
+    out = ttt_loss(
+        states, top_logits, batch["loss_mask"], draft.t2d, target_ids=top_ids, position_ids=position_ids, **heads
+    )
     out.loss.backward()
     return out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}, features
 
@@ -100,8 +108,9 @@ def test_without_the_conversation_boundary_the_packed_loss_differs():
 def test_trainer_packs_with_the_option_and_computes_the_padded_loss(tmp_path):
     target, dataset = tiny.make_tiny_target(), tiny.synthetic_dataset()
     draft = new_draft(target)
-    trainer = Eagle3Trainer(draft, make_args(tmp_path, packing=True, max_length=64, logits_top_k=96),
-                            target=target, train_dataset=dataset)  # fmt: skip
+    trainer = Eagle3Trainer(
+        draft, make_args(tmp_path, packing=True, max_length=64, logits_top_k=96), target=target, train_dataset=dataset
+    )
     assert trainer.data_collator.packing and trainer.data_collator.max_length == 64
     rows = list(dataset.select(range(4)))
     packed = trainer.data_collator(rows)

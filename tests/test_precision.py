@@ -6,8 +6,13 @@ from torch import nn
 
 from eagle3_hf.modeling.packed_linear import PackedLinear, can_prepack, prepack_linears
 from eagle3_hf.utils.precision import (
-    cpu_flags, default_threads, emulated_bf16_warning, has_native_bf16_matmul, resolve_dtype, short_name,
-)  # fmt: skip
+    cpu_flags,
+    default_threads,
+    emulated_bf16_warning,
+    has_native_bf16_matmul,
+    resolve_dtype,
+    short_name,
+)
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path):
@@ -19,10 +24,14 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
 
 @pytest.mark.parametrize(
     "flags, expected",
-    [({"avx2", "avx512f", "amx_bf16"}, torch.bfloat16), ({"avx512f", "avx512_bf16"}, torch.bfloat16),
-     ({"avx2", "fma", "avx512f", "avx512bw"}, torch.float32), (set(), torch.float32)],
+    [
+        ({"avx2", "avx512f", "amx_bf16"}, torch.bfloat16),
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+        ({"avx2", "fma", "avx512f", "avx512bw"}, torch.float32),
+        (set(), torch.float32),
+    ],
     ids=["amx", "avx512-bf16", "no-bf16-units", "unknown-cpu"],
-)  # fmt: skip
+)
 def test_auto_precision_follows_the_cpu(flags, expected):
     if expected == torch.bfloat16 and not torch.backends.mkldnn.is_available():
         expected = torch.float32  # bf16 units are reached through oneDNN; without it, fp32
@@ -53,8 +62,13 @@ def test_bf16_asked_for_on_a_cpu_that_emulates_it_is_warned_about():
 
 def test_prepacked_linears_compute_exactly_what_nn_linear_does():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 24, bias=False), nn.ReLU(), nn.Linear(24, 16, bias=False), nn.Linear(16, 8),
-                          nn.Linear(8, 8, bias=False))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(40, 24, bias=False),
+        nn.ReLU(),
+        nn.Linear(24, 16, bias=False),
+        nn.Linear(16, 8),
+        nn.Linear(8, 8, bias=False),
+    )
     model[:4].to(torch.bfloat16)  # left alone: layer 3 (a bias) and layer 4 (fp32)
     x = torch.randn(2, 5, 40).to(torch.bfloat16)
     with torch.no_grad():

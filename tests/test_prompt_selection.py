@@ -9,8 +9,11 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.training.data import read_conversations
 from eagle3_hf.training.prompt_selection import (
-    dedupe_prompts, exclude_prompts, normalize_prompt, read_evaluation_prompts,
-)  # fmt: skip
+    dedupe_prompts,
+    exclude_prompts,
+    normalize_prompt,
+    read_evaluation_prompts,
+)
 
 
 def conversation(cid, *turns):
@@ -57,12 +60,17 @@ def test_a_conversation_inside_a_longer_one_is_answered_there():
 def test_evaluation_prompts_from_question_files_and_conversation_files(tmp_path):
     questions = tmp_path / "question.jsonl"
     questions.write_text(
-        json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a  haiku.", "Now in French."]}) + "\n"
-        + json.dumps({"question_id": 82, "category": "math", "turns": ["What is 2+2?"]}) + "\n"
-    )  # fmt: skip
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a  haiku.", "Now in French."]})
+        + "\n"
+        + json.dumps({"question_id": 82, "category": "math", "turns": ["What is 2+2?"]})
+        + "\n"
+    )
     chats = tmp_path / "held_out.json"
-    chats.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Name a colour."},
-                                                    {"from": "gpt", "value": "Blue."}]}]))  # fmt: skip
+    chats.write_text(
+        json.dumps(
+            [{"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]}]
+        )
+    )
     prompts = read_evaluation_prompts([questions, chats])
     assert prompts == {"write a haiku.", "now in french.", "what is 2+2?", "name a colour."}
 
@@ -90,8 +98,15 @@ def test_the_command_never_asks_the_target_a_dropped_prompt(tokenizer_dir, tmp_p
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config).eval()
     asked = []
     generate = model.generate
@@ -102,10 +117,12 @@ def test_the_command_never_asks_the_target_a_dropped_prompt(tokenizer_dir, tmp_p
 
     model.generate = recording_generate
     data = tmp_path / "data.jsonl"
-    records = [{"id": "a", "conversations": [{"from": "human", "value": "Tell me a story"}]},
-               {"id": "b", "conversations": [{"from": "human", "value": "Write a haiku."}]},
-               {"id": "c", "conversations": [{"from": "human", "value": "tell me  a story"}]},
-               {"id": "d", "conversations": [{"from": "human", "value": "Count to three"}]}]  # fmt: skip
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Tell me a story"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "Write a haiku."}]},
+        {"id": "c", "conversations": [{"from": "human", "value": "tell me  a story"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "Count to three"}]},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     questions = tmp_path / "question.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "turns": ["Write a haiku."]}) + "\n")

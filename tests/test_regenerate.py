@@ -12,21 +12,22 @@ from eagle3_hf.training.regenerate import MANIFEST_NAME, list_shards, prompt_rou
 MAX_NEW_TOKENS = 6
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def model(tokenizer_dir):
     """A tiny random Llama over SmolLM2's full vocabulary; large init so that its greedy choices are clear-cut."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.5,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -35,8 +36,10 @@ def conversations(n=5):
     """Prompts of different lengths; some have two user turns, one has a system prompt and a trailing question."""
     records = []
     for i in range(n):
-        turns = [{"from": "human", "value": "Tell me about the number " + "seven " * (i + 1)},
-                 {"from": "gpt", "value": "An old answer that must be replaced."}]
+        turns = [
+            {"from": "human", "value": "Tell me about the number " + "seven " * (i + 1)},
+            {"from": "gpt", "value": "An old answer that must be replaced."},
+        ]
         if i % 2:
             turns += [{"from": "human", "value": f"And {i}?"}, {"from": "gpt", "value": "Also replaced."}]
         if i == 4:
@@ -72,8 +75,11 @@ def run(model, tokenizer, records, output_dir, **kwargs):
 
 def test_prompt_rounds():
     s, u1, a1, u2, a2 = (
-        {"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"},
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
     )
     assert prompt_rounds([s, u1, a1, u2, a2]) == [[s, u1], [u2]]
     assert prompt_rounds([a1, u1, a2]) == [[u1]]  # an assistant greeting before any question is dropped
@@ -101,11 +107,18 @@ def test_regenerates_every_assistant_turn_into_shards(model, tokenizer, tmp_path
         assert len(answers) == len(prompt_rounds(read_conversations([record])[0]["messages"]))
         assert "replaced" not in " ".join(answers)
         # A regenerated answer is the target's own greedy continuation of the prompt.
-        prompt = tokenizer.apply_chat_template(messages[: messages.index(
-            next(m for m in messages if m["role"] == "assistant"))], add_generation_prompt=True)["input_ids"]
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        assert answers[0] == tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True).strip()
+        prompt = tokenizer.apply_chat_template(
+            messages[: messages.index(next(m for m in messages if m["role"] == "assistant"))],
+            add_generation_prompt=True,
+        )["input_ids"]
+        expected = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        assert answers[0] == tokenizer.decode(expected[0, len(prompt) :], skip_special_tokens=True).strip()
     assert [m["role"] for m in results["conv-4"]] == ["system", "user", "assistant", "user", "assistant"]
 
 

@@ -8,7 +8,10 @@ LIMIT = 1_000_000  # bytes
 
 # path -> why it is in the tree; each entry also caps the file's size, so a larger replacement is seen.
 ALLOWED = {
-    "eagle3_hf/drafts/smollm2-135m-instruct/model.safetensors": ("the shipped draft and the lineage's resume point", 30_000_000),
+    "eagle3_hf/drafts/smollm2-135m-instruct/model.safetensors": (
+        "the shipped draft and the lineage's resume point",
+        30_000_000,
+    ),
 }
 
 

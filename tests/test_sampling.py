@@ -33,13 +33,20 @@ SETTINGS = {
 CHI2_CRITICAL_0001 = {51: 87.968, 54: 91.872, 63: 103.442}
 
 
-
-
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(8)  # sharper target distributions, so top-p removes tokens
@@ -106,9 +113,18 @@ def check_law(target, draft, prompt, options, tree_options, name):
     counts = torch.zeros(V, V, dtype=torch.float64)
     outputs = []
     for _ in range(N):
-        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft, do_sample=True,
-                              top_k=0, max_new_tokens=3, adaptive_tree=False, return_dict_in_generate=True,
-                              **options, **tree_options)  # fmt: skip
+        out = target.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            assistant_model=draft,
+            do_sample=True,
+            top_k=0,
+            max_new_tokens=3,
+            adaptive_tree=False,
+            return_dict_in_generate=True,
+            **options,
+            **tree_options,
+        )
         x1, x2, x3 = out.sequences[0, prompt.shape[1] :].tolist()
         counts[x2, x3] += 1
         outputs.append(out)

@@ -21,8 +21,8 @@ engine.py's `propose` and `update`) for the cost model's clocks.
 
 import pytest
 import torch
-
 from test_generation import make_pair, make_prompts, plain
+
 from eagle3_hf.generation import node_scores
 from eagle3_hf.generation.corpus_index import CorpusIndex
 
@@ -61,8 +61,9 @@ def reads_per_cycle(monkeypatch, rows, nodes, sources, device="cpu"):
     prompts = make_prompts(lengths=(5, 9, 12, 7)[:rows], seed=3)
     corpus = False
     if sources == "corpus":  # the target's own answers to these prompts: the corpus proposes, and is right
-        corpus = CorpusIndex.build([plain(target, p, max_new_tokens=40)[0, p.shape[1] :] for p in prompts],
-                                   vocab_size=target.config.vocab_size)  # fmt: skip
+        corpus = CorpusIndex.build(
+            [plain(target, p, max_new_tokens=40)[0, p.shape[1] :] for p in prompts], vocab_size=target.config.vocab_size
+        )
     target.to(device), draft.to(device)
     width = max(p.shape[1] for p in prompts)
     ids = torch.zeros(rows, width, dtype=torch.long)
@@ -78,10 +79,22 @@ def reads_per_cycle(monkeypatch, rows, nodes, sources, device="cpu"):
         per_cycle.append(counter.count)
         counter.count, counter.active = 0, True
 
-    out = target.generate(ids.to(device), attention_mask=mask.to(device), assistant_model=draft, do_sample=False,
-                          max_new_tokens=40, tree_depth=6, tree_top_k=8, tree_total_tokens=nodes, adaptive_tree=False,
-                          exact_verify=False, context_lookup=sources != "draft", corpus=corpus,
-                          return_dict_in_generate=True, eagle3_observer=observe)  # fmt: skip
+    out = target.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=40,
+        tree_depth=6,
+        tree_top_k=8,
+        tree_total_tokens=nodes,
+        adaptive_tree=False,
+        exact_verify=False,
+        context_lookup=sources != "draft",
+        corpus=corpus,
+        return_dict_in_generate=True,
+        eagle3_observer=observe,
+    )
     counter.active = False
     return per_cycle[1:], out.accepted_from_corpus + out.accepted_from_both
 

@@ -12,8 +12,16 @@ torch.set_num_threads(1)
 
 def make_target():
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=96))  # fmt: skip
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+        )
+    )
     with torch.no_grad():  # norms away from their all-ones init, so that a copy is visible
         for name, param in target.named_parameters():
             if "norm" in name:
@@ -84,8 +92,12 @@ def test_remap_keeps_the_logits_of_shared_tokens(tmp_path):
     assert after.shape[-1] == 11 == draft.config.draft_vocab_size
     shared = [i for i in new_ids if i in old_ids]
     # The same head rows: equal up to the matmul's rounding, which on some CPUs (AVX2) depends on the head's width.
-    torch.testing.assert_close(after[..., [new_ids.index(i) for i in shared]],
-                               before[..., [old_ids.index(i) for i in shared]], rtol=1e-6, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        after[..., [new_ids.index(i) for i in shared]],
+        before[..., [old_ids.index(i) for i in shared]],
+        rtol=1e-6,
+        atol=1e-6,
+    )
     added = [new_ids.index(i) for i in new_ids if i not in old_ids]
     # New tokens start at a logit of 0: where the old top token is kept and its logit is positive, it stays on top.
     assert torch.equal(after[..., added], torch.zeros_like(after[..., added]))

@@ -13,16 +13,18 @@ from eagle3_hf.targets import cached_plain_copy, load_target, load_tokenizer, re
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-
-
 @pytest.fixture
 def tiny_target_dir(tmp_path, tokenizer_dir):
     """A tiny random Llama with SmolLM2's tokenizer, saved as a plain Hugging Face folder."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     )
     folder = tmp_path / "tiny"
     LlamaForCausalLM(config).save_pretrained(folder)

@@ -53,15 +53,19 @@ def think_part(text: str) -> str:
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_helper_passes_the_setting_only_when_given(thinking_tokenizer, setting):
     assert has_thinking_switch(thinking_tokenizer)
-    text = apply_chat_template(thinking_tokenizer, CONVERSATION[:1], enable_thinking=setting, tokenize=False,
-                               add_generation_prompt=True)  # fmt: skip
-    assert text.endswith({None: "assistant\n", True: "assistant\n<think>", False: "assistant\n<think></think>"}[setting])
+    text = apply_chat_template(
+        thinking_tokenizer, CONVERSATION[:1], enable_thinking=setting, tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith(
+        {None: "assistant\n", True: "assistant\n<think>", False: "assistant\n<think></think>"}[setting]
+    )
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_training_renders_with_the_setting(thinking_tokenizer, setting):
-    dataset, _ = build_dataset([{"messages": CONVERSATION}], thinking_tokenizer, max_length=256,
-                               enable_thinking=setting)  # fmt: skip
+    dataset, _ = build_dataset(
+        [{"messages": CONVERSATION}], thinking_tokenizer, max_length=256, enable_thinking=setting
+    )
     ids, mask = dataset[0]["input_ids"], dataset[0]["loss_mask"]
     text = thinking_tokenizer.decode(ids)
     assert OPENING[setting] in text and text.count("<think>") == (setting is not None)
@@ -70,12 +74,19 @@ def test_training_renders_with_the_setting(thinking_tokenizer, setting):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_regenerate_prompts_use_the_setting_and_the_manifest_records_it(thinking_tokenizer, tmp_path, monkeypatch,
-                                                                        setting):  # fmt: skip
+def test_regenerate_prompts_use_the_setting_and_the_manifest_records_it(
+    thinking_tokenizer, tmp_path, monkeypatch, setting
+):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(thinking_tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1,
-                         eos_token_id=thinking_tokenizer.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(thinking_tokenizer),
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=thinking_tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config).eval()
     prompts, generate = [], model.generate
 
@@ -84,15 +95,22 @@ def test_regenerate_prompts_use_the_setting_and_the_manifest_records_it(thinking
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
-    regenerate_responses(model, thinking_tokenizer, [{"messages": CONVERSATION[:1]}], tmp_path, max_new_tokens=2,
-                         enable_thinking=setting)  # fmt: skip
+    regenerate_responses(
+        model, thinking_tokenizer, [{"messages": CONVERSATION[:1]}], tmp_path, max_new_tokens=2, enable_thinking=setting
+    )
     assert len(prompts) == 1 and think_part(prompts[0] + "Hi") == think_part(OPENING[setting])
     assert json.loads((tmp_path / MANIFEST_NAME).read_text())["enable_thinking"] == setting
     # The same folder with another setting holds answers to other prompts: refused.
     other = setting is not True  # another setting than this one
     with pytest.raises(ValueError, match="enable_thinking"):
-        regenerate_responses(model, thinking_tokenizer, [{"messages": CONVERSATION[:1]}], tmp_path,
-                             max_new_tokens=2, enable_thinking=other)  # fmt: skip
+        regenerate_responses(
+            model,
+            thinking_tokenizer,
+            [{"messages": CONVERSATION[:1]}],
+            tmp_path,
+            max_new_tokens=2,
+            enable_thinking=other,
+        )
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -114,7 +132,11 @@ def test_training_warns_when_the_data_was_regenerated_with_another_setting(think
     with caplog.at_level(logging.WARNING):
         tokenise_data(thinking_tokenizer, str(folder), 256, enable_thinking=True)
     (warning,) = [r.getMessage() for r in caplog.records if "regenerated" in r.getMessage()]
-    assert "--no-enable-thinking" in warning and "renders them with --enable-thinking:" in warning and str(folder) in warning
+    assert (
+        "--no-enable-thinking" in warning
+        and "renders them with --enable-thinking:" in warning
+        and str(folder) in warning
+    )
 
 
 def test_bench_warns_when_the_draft_was_trained_with_another_setting():
@@ -142,11 +164,13 @@ def test_a_template_without_a_switch_warns_once_and_renders_the_default(tokenize
 @pytest.mark.parametrize("command", ["regenerate", "bench", "features", "vocab", "evaluate", "corpus", "generate"])
 def test_cli_flags(command):
     parser = build_subparser(command)
-    required = {"regenerate": ["--target", "t", "--data", "d", "--output", "o"],
-                "features": ["--target", "t", "--data", "d", "--output", "o"],
-                "vocab": ["--target", "t", "--data", "d", "--output", "o"],
-                "evaluate": ["--draft", "x", "--target", "t", "--data", "d"],
-                "corpus": ["--target", "t", "--data", "d", "--output", "o"]}.get(command, [])  # fmt: skip
+    required = {
+        "regenerate": ["--target", "t", "--data", "d", "--output", "o"],
+        "features": ["--target", "t", "--data", "d", "--output", "o"],
+        "vocab": ["--target", "t", "--data", "d", "--output", "o"],
+        "evaluate": ["--draft", "x", "--target", "t", "--data", "d"],
+        "corpus": ["--target", "t", "--data", "d", "--output", "o"],
+    }.get(command, [])
     assert parser.parse_args(required).enable_thinking is None
     assert parser.parse_args([*required, "--enable-thinking"]).enable_thinking is True
     assert parser.parse_args([*required, "--no-enable-thinking"]).enable_thinking is False
@@ -165,8 +189,9 @@ def test_train_cli_flags():
 def test_train_refuses_the_flag_with_offline_features(tmp_path):
     from eagle3_hf.commands.train_checks import check_train_arguments
 
-    args = parse_cli(["--target", "smollm2", "--features", "f", "--output-dir", str(tmp_path / "o"),
-                      "--no-enable-thinking"])  # fmt: skip
+    args = parse_cli(
+        ["--target", "smollm2", "--features", "f", "--output-dir", str(tmp_path / "o"), "--no-enable-thinking"]
+    )
     with pytest.raises(ValueError, match="--no-enable-thinking sets how train renders --data"):
         check_train_arguments(args)
 
@@ -176,8 +201,27 @@ def test_train_command_records_the_setting(chat_target, tmp_path):
 
     folder, data = chat_target
     out = tmp_path / "run"
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--max-steps", "1", "--ttt-length", "1",
-                     "--draft-vocab-size", "40", "--output", str(out), "--no-enable-thinking"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "1",
+                "--draft-vocab-size",
+                "40",
+                "--output",
+                str(out),
+                "--no-enable-thinking",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "training_info.json").read_text())["enable_thinking"] is False
 
 
@@ -187,12 +231,45 @@ def test_offline_features_record_the_setting_and_train_takes_it(chat_target, tmp
 
     folder, data = chat_target
     features = tmp_path / "features"
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(features),
-                     "--no-enable-thinking", "--logits-top-k", "8"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "features",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(features),
+                "--no-enable-thinking",
+                "--logits-top-k",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert json.loads((features / "features.json").read_text())["enable_thinking"] is False
     out = tmp_path / "run"
-    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--max-steps", "1",
-                     "--ttt-length", "1", "--draft-vocab-size", "40", "--output", str(out)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--features",
+                str(features),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "1",
+                "--draft-vocab-size",
+                "40",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "training_info.json").read_text())["enable_thinking"] is False
     # folders that disagree, or one written before the setting was recorded: nothing is recorded
     for manifests in ([{"enable_thinking": True}, {"enable_thinking": None}], [{"enable_thinking": None}, {}]):

@@ -40,9 +40,30 @@ def eagle31(chat_target, tmp_path_factory):
     """An EAGLE-3.1 draft trained from the command line (bare flags): its folder."""
     out = tmp_path_factory.mktemp("eagle31") / "run"
     folder, data = chat_target
-    code = cli_main([str(a) for a in ("train", "--target", folder, "--data", data, "--output", out, "--ttt-length", "2",
-                                      "--draft-vocab-size", "64", "--max-steps", "2", "--save-steps", "1",
-                                      "--fc-norm", "--norm-output")])  # fmt: skip
+    code = cli_main(
+        [
+            str(a)
+            for a in (
+                "train",
+                "--target",
+                folder,
+                "--data",
+                data,
+                "--output",
+                out,
+                "--ttt-length",
+                "2",
+                "--draft-vocab-size",
+                "64",
+                "--max-steps",
+                "2",
+                "--save-steps",
+                "1",
+                "--fc-norm",
+                "--norm-output",
+            )
+        ]
+    )
     assert code == 0
     return out
 
@@ -51,10 +72,13 @@ def test_a_fresh_eagle31_draft_from_the_command_line(eagle31):
     config = json.loads((eagle31 / "config.json").read_text())
     assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (True, True, False)
     assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= saved_keys(eagle31) and "input_norm.weight" not in saved_keys(
-        eagle31)  # fmt: skip
+        eagle31
+    )
     card = (eagle31 / "README.md").read_text()
-    assert ("| draft architecture | EAGLE-3.1: `fc_norm` (an RMSNorm on each tap before fc), `norm_output` (the "
-            "post-norm state fed back) |") in card  # fmt: skip
+    assert (
+        "| draft architecture | EAGLE-3.1: `fc_norm` (an RMSNorm on each tap before fc), `norm_output` (the "
+        "post-norm state fed back) |"
+    ) in card
     draft = Eagle3DraftModel.from_pretrained(eagle31)
     assert draft.config.fc_norm and draft.config.norm_output and not draft.config.norm_before_fc
     # Trained: the per-tap norms moved off their initial ones.
@@ -68,11 +92,14 @@ def test_norm_before_fc_and_explicit_false(chat_target, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert (config["fc_norm"], config["norm_output"], config["norm_before_fc"]) == (False, False, True)
     assert "input_norm.weight" in saved_keys(out)
-    assert "| draft architecture | EAGLE-3: `norm_before_fc` (one RMSNorm over the taps before fc) |" in (
-        out / "README.md").read_text()  # fmt: skip
+    assert (
+        "| draft architecture | EAGLE-3: `norm_before_fc` (one RMSNorm over the taps before fc) |"
+        in (out / "README.md").read_text()
+    )
     code, _, err = train(capsys, chat_target, tmp_path / "pair", "--max-steps", "1", "--fc-norm", "--norm-before-fc")
-    assert_clean_error(code, err, "--fc-norm with --norm-before-fc trains a draft no server runs",
-                       "speculators refuses the pair")  # fmt: skip
+    assert_clean_error(
+        code, err, "--fc-norm with --norm-before-fc trains a draft no server runs", "speculators refuses the pair"
+    )
     assert not (tmp_path / "pair").exists()
 
 
@@ -84,11 +111,19 @@ def test_init_draft_keeps_its_architecture(chat_target, eagle31, tmp_path, capsy
     continued = Eagle3DraftModel.from_pretrained(tmp_path / "restated")
     assert continued.config.fc_norm and continued.config.norm_output
     code, _, err = run(capsys, *common, eagle31, "--output", tmp_path / "a", "--fc-norm", "false")
-    assert_last_line_error(code, err, f"--fc-norm false contradicts --init-draft {eagle31}, whose draft has fc_norm=True",
-                       "leave --fc-norm out")  # fmt: skip
+    assert_last_line_error(
+        code,
+        err,
+        f"--fc-norm false contradicts --init-draft {eagle31}, whose draft has fc_norm=True",
+        "leave --fc-norm out",
+    )
     code, _, err = run(capsys, *common, eagle31, "--output", tmp_path / "b", "--norm-output", "false")
-    assert_last_line_error(code, err, "norm_output=False was passed, but the native checkpoint",
-                       "can be read only as norm_output=True (as it states)")  # fmt: skip
+    assert_last_line_error(
+        code,
+        err,
+        "norm_output=False was passed, but the native checkpoint",
+        "can be read only as norm_output=True (as it states)",
+    )
     code, _, err = run(capsys, *common, eagle31, "--output", tmp_path / "c", "--target-layer-ids", "3,3,3")
     assert_last_line_error(code, err, "target_layer_ids=[3, 3, 3] was passed", "can be read only as target_layer_ids=")
 
@@ -96,8 +131,21 @@ def test_init_draft_keeps_its_architecture(chat_target, eagle31, tmp_path, capsy
 def test_init_draft_from_the_official_layout_reads_norm_output_as_told(chat_target, eagle31, tmp_path, capsys):
     folder, data = chat_target
     save_eagle(Eagle3DraftModel.from_pretrained(eagle31), tmp_path / "eagle", include_embedding=True)
-    common = ["train", "--target", folder, "--data", data, "--ttt-length", "2", "--max-steps", "1", "--learning-rate",
-              "0", "--init-draft", tmp_path / "eagle"]  # fmt: skip
+    common = [
+        "train",
+        "--target",
+        folder,
+        "--data",
+        data,
+        "--ttt-length",
+        "2",
+        "--max-steps",
+        "1",
+        "--learning-rate",
+        "0",
+        "--init-draft",
+        tmp_path / "eagle",
+    ]
     with pytest.warns(UserWarning, match=r"norm_output=True: read as norm_output=True.*PR #879"):
         code, _, err = run(capsys, *common, "--output", tmp_path / "servers")
     assert code == 0, err
@@ -125,14 +173,40 @@ def interrupted(chat_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("interrupted")
     folder, data = chat_target
     init = Eagle3DraftModel.from_target(
-        AutoModelForCausalLM.from_pretrained(folder), draft_vocab_size=64, fc_norm=True, norm_output=True,
-        norm_before_residual=True, target_layer_ids=[1, 2, 3], num_hidden_layers=2, intermediate_size=48,
+        AutoModelForCausalLM.from_pretrained(folder),
+        draft_vocab_size=64,
+        fc_norm=True,
+        norm_output=True,
+        norm_before_residual=True,
+        target_layer_ids=[1, 2, 3],
+        num_hidden_layers=2,
+        intermediate_size=48,
         rope_parameters={"rope_type": "default", "rope_theta": 1234.0},
-    )  # fmt: skip
+    )
     init.save_pretrained(root / "init")
     out = root / "run"
-    code = cli_main([str(a) for a in ("train", "--target", folder, "--data", data, "--output", out, "--ttt-length", "2",
-                                      "--max-steps", "2", "--save-steps", "1", "--init-draft", root / "init")])  # fmt: skip
+    code = cli_main(
+        [
+            str(a)
+            for a in (
+                "train",
+                "--target",
+                folder,
+                "--data",
+                data,
+                "--output",
+                out,
+                "--ttt-length",
+                "2",
+                "--max-steps",
+                "2",
+                "--save-steps",
+                "1",
+                "--init-draft",
+                root / "init",
+            )
+        ]
+    )
     assert code == 0
     for name in ("model.safetensors", "config.json"):  # as if it had stopped there: only the checkpoints
         (out / name).unlink()
@@ -145,21 +219,52 @@ def test_resume_rebuilds_the_draft_from_the_checkpoint(chat_target, interrupted,
     folder, data = chat_target
     checkpoint = Eagle3DraftModel.from_pretrained(interrupted / "checkpoint-2")
     expected = checkpoint.state_dict()
-    restated = ("--init-draft", interrupted.parent / "init", "--fc-norm", "--norm-output", "--target-layer-ids",
-                "1,2,3", "--num-hidden-layers", "2", "--draft-vocab-size", "64")  # fmt: skip
+    restated = (
+        "--init-draft",
+        interrupted.parent / "init",
+        "--fc-norm",
+        "--norm-output",
+        "--target-layer-ids",
+        "1,2,3",
+        "--num-hidden-layers",
+        "2",
+        "--draft-vocab-size",
+        "64",
+    )
     for name, extra in (("bare", ()), ("restated", restated)):
         out = tmp_path / name
         shutil.copytree(interrupted, out)
         # Resumed without --init-draft or any option that shaped the draft (or with all restated), one step more.
-        code, text, err = run(capsys, "train", "--target", folder, "--data", data, "--output", out, "--ttt-length",
-                              "2", "--max-steps", "3", "--resume", *extra)  # fmt: skip
+        code, text, err = run(
+            capsys,
+            "train",
+            "--target",
+            folder,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--ttt-length",
+            "2",
+            "--max-steps",
+            "3",
+            "--resume",
+            *extra,
+        )
         assert code == 0, err
         assert f"Resuming from {out / 'checkpoint-2'}." in text and "Target-derived init" not in text
         resumed = Eagle3DraftModel.from_pretrained(out)
         c = resumed.config
-        assert (c.fc_norm, c.norm_output, c.norm_before_fc, c.norm_before_residual, c.target_layer_ids,
-                c.num_hidden_layers, c.intermediate_size, c.rope_parameters["rope_theta"]) == (
-            True, True, False, True, [1, 2, 3], 2, 48, 1234.0), name  # fmt: skip
+        assert (
+            c.fc_norm,
+            c.norm_output,
+            c.norm_before_fc,
+            c.norm_before_residual,
+            c.target_layer_ids,
+            c.num_hidden_layers,
+            c.intermediate_size,
+            c.rope_parameters["rope_theta"],
+        ) == (True, True, False, True, [1, 2, 3], 2, 48, 1234.0), name
         state = resumed.state_dict()
         assert state.keys() == expected.keys(), name  # no fc_norm weight dropped
         assert torch.equal(state["d2t"], expected["d2t"]) and torch.equal(state["t2d"], expected["t2d"])
@@ -182,8 +287,27 @@ def test_resume_rebuilds_the_draft_from_the_checkpoint(chat_target, interrupted,
 def test_resume_refuses_an_option_that_contradicts_the_checkpoint(chat_target, interrupted, capsys, option, fragments):
     folder, data = chat_target
     before = snapshot(interrupted)
-    code, _, err = run(capsys, "train", "--target", folder, "--data", data, "--output", interrupted, "--ttt-length",
-                       "2", "--max-steps", "3", "--resume", *option)  # fmt: skip
-    assert_clean_error(code, err, f"--resume: {interrupted / 'checkpoint-2'} holds a draft with", *fragments,
-                       "leave " + option[0] + " out to continue that run")  # fmt: skip
+    code, _, err = run(
+        capsys,
+        "train",
+        "--target",
+        folder,
+        "--data",
+        data,
+        "--output",
+        interrupted,
+        "--ttt-length",
+        "2",
+        "--max-steps",
+        "3",
+        "--resume",
+        *option,
+    )
+    assert_clean_error(
+        code,
+        err,
+        f"--resume: {interrupted / 'checkpoint-2'} holds a draft with",
+        *fragments,
+        "leave " + option[0] + " out to continue that run",
+    )
     assert snapshot(interrupted) == before  # refused before anything loaded or was written

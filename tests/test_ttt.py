@@ -19,8 +19,14 @@ from eagle3_hf.training.ttt import (
 torch.set_num_threads(1)
 
 V = 96
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=V)  # fmt: skip
+SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=V,
+)
 
 
 def make_pair(family: str, **draft_overrides):
@@ -59,10 +65,15 @@ def inference_logits(draft, ids, features, t, steps):
 
 @pytest.mark.parametrize(
     "family, overrides",
-    [("llama", {}), ("qwen3", {}), ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True)),
-     ("llama", dict(num_hidden_layers=2)), ("qwen3", dict(num_hidden_layers=3, norm_before_residual=True))],
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("llama", dict(norm_output=True, norm_before_residual=True, fc_norm=True)),
+        ("llama", dict(num_hidden_layers=2)),
+        ("qwen3", dict(num_hidden_layers=3, norm_before_residual=True)),
+    ],
     ids=["llama", "qwen3-qk-norm", "llama-eagle3.1-flags", "llama-2-layers", "qwen3-3-layers"],
-)  # fmt: skip
+)
 def test_training_logits_equal_inference_drafting(family, overrides):
     target, draft = make_pair(family, **overrides)
     K, S = 4, 11
@@ -216,9 +227,13 @@ def test_head_on_supervised_rows_equals_the_loss_on_full_logits():
             draft.zero_grad()
             steps = ttt_forward(draft, ids, features, ttt_length=3, return_hidden=use_head)
             result = ttt_loss(
-                steps, target_logits, loss_mask, draft.t2d, target_ids=target_ids,
+                steps,
+                target_logits,
+                loss_mask,
+                draft.t2d,
+                target_ids=target_ids,
                 head=draft.lm_head if use_head else None,
-            )  # fmt: skip
+            )
             result.loss.backward()
             results.append((result, draft.fc.weight.grad.clone(), draft.lm_head.weight.grad.clone()))
     for (full, *full_grads), (headed, *head_grads) in (results[:2], results[2:]):

@@ -60,10 +60,15 @@ def attention_case(steps, dtype, deep=False, packed=False):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "steps, deep, packed, softcap",
-    [(0, False, False, None), (3, False, False, None), (2, True, False, None), (3, False, True, None),
-     (2, False, False, 5.0)],
+    [
+        (0, False, False, None),
+        (3, False, False, None),
+        (2, True, False, None),
+        (3, False, True, None),
+        (2, False, False, 5.0),
+    ],
     ids=["step0", "step3", "deep-rows", "packed", "softcap"],
-)  # fmt: skip
+)
 def test_chunked_attention_equals_the_dense_softmax(monkeypatch, dtype, tol, steps, deep, packed, softcap):
     monkeypatch.setattr(attention_module, "_CPU_BLOCK_BYTES", 4 * 2 * 6 * 23 * 5)  # chunks of 5 queries
     q, keys, values, query_index, segments = attention_case(steps, dtype, deep, packed)

@@ -27,7 +27,12 @@ _spec.loader.exec_module(tiny)
 
 V = 96
 SHAPE = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=V
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=V,
 )
 
 

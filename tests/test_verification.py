@@ -6,7 +6,6 @@ import torch
 from eagle3_hf.generation.tree import sample_children
 from eagle3_hf.generation.verification import AcceptResult, _rrs_stages, greedy_accept, rrs_step, sample_accept
 
-
 #                      0:10
 #                    /      \
 #                 1:11      2:12
@@ -169,10 +168,8 @@ def test_sample_accept_is_lossless_monte_carlo():
     for _ in range(n):
         emitted = []
         while len(emitted) < 2:
-            tokens, parents, draft_probs, target_probs = _build_sampled_tree(
-                emitted[-1] if emitted else 0, generator
-            )
-            result = sample_accept(tokens, parents, lambda node: target_probs[node], draft_probs, generator)
+            tokens, parents, draft_probs, target_probs = _build_sampled_tree(emitted[-1] if emitted else 0, generator)
+            result = sample_accept(tokens, parents, target_probs.__getitem__, draft_probs, generator)
             emitted += tokens[result.path[1:]].tolist() + [result.bonus_token]
         counts[emitted[0], emitted[1]] += 1
 

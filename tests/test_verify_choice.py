@@ -7,12 +7,12 @@ import warnings
 
 import pytest
 import torch
+from exactness import rowwise_linears
+from test_exact_attention import RowDependentMLP, V, bf16_target
 
 import eagle3_hf.generation.verify_choice as verify_choice
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.generation.verify_choice import PROVEN, check_exact_verify, choose_verification
-from exactness import rowwise_linears
-from test_exact_attention import V, RowDependentMLP, bf16_target
 
 NEW = 16
 
@@ -29,8 +29,15 @@ def broken_target():
 
 def generate(target, draft, **kwargs):
     prompt = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(0))
-    return target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft, do_sample=False,
-                           max_new_tokens=NEW, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    return target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -55,8 +62,13 @@ def test_auto_runs_row_exact_where_the_probe_proves_it_and_output_equals_plain(p
     assert out.verification == "row-exact" and out.verification_reason.startswith(PROVEN)
     assert "bit for bit" in out.verification_reason
     prompt_len = 9
-    plain = type(target).generate(target, out.sequences[:, :prompt_len], attention_mask=torch.ones(1, prompt_len,
-                                  dtype=torch.long), do_sample=False, max_new_tokens=NEW)  # fmt: skip
+    plain = type(target).generate(
+        target,
+        out.sequences[:, :prompt_len],
+        attention_mask=torch.ones(1, prompt_len, dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=NEW,
+    )
     assert out.sequences.tolist() == plain.tolist()
     generate(target, draft)  # the same setting: the probe is not run again
     assert len(probes) == 1
@@ -78,7 +90,9 @@ def test_forced_row_exact_where_the_probe_fails_warns_once_naming_the_hardware(p
     target = broken_target()
     torch.manual_seed(1)
     draft = Eagle3DraftModel.from_target(target)
-    with pytest.warns(UserWarning, match=r"exact_verify=True on hardware where .* first at model\.layers\.1\.mlp .*CPU"):
+    with pytest.warns(
+        UserWarning, match=r"exact_verify=True on hardware where .* first at model\.layers\.1\.mlp .*CPU"
+    ):
         out = generate(target, draft, exact_verify=True)
     assert out.verification == "row-exact" and "not exact here" in out.verification_reason
     with warnings.catch_warnings():

@@ -163,8 +163,10 @@ def test_load_rejects_foreign_or_inconsistent_files(tmp_path):
     with pytest.raises(ValueError, match=r"is not a draft vocabulary file: it lacks \['counts', 'd2t', 't2d'\]"):
         load_draft_vocab(tmp_path / "other.safetensors")
     t2d = torch.tensor([False, True, True, False])
-    save_file({"d2t": torch.tensor([0, 0]), "t2d": t2d, "counts": torch.ones(4, dtype=torch.int64)},
-              str(tmp_path / "bad.safetensors"))
+    save_file(
+        {"d2t": torch.tensor([0, 0]), "t2d": t2d, "counts": torch.ones(4, dtype=torch.int64)},
+        str(tmp_path / "bad.safetensors"),
+    )
     with pytest.raises(ValueError, match="maps draft id 0 to target id 0, but t2d is False there"):
         load_draft_vocab(tmp_path / "bad.safetensors")
 
@@ -173,8 +175,14 @@ def test_load_reads_the_vocabulary_of_a_saved_draft_folder(tmp_path):
     from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
 
     vocab = build_draft_vocab(torch.tensor(TOY_COUNTS), 8, 3)
-    config = Eagle3DraftConfig(vocab_size=8, draft_vocab_size=3, hidden_size=16, intermediate_size=32,
-                               num_attention_heads=2, num_key_value_heads=1)
+    config = Eagle3DraftConfig(
+        vocab_size=8,
+        draft_vocab_size=3,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     draft = Eagle3DraftModel(config)
     draft.set_draft_vocab(vocab.d2t, vocab.t2d)
     draft.save_pretrained(tmp_path / "draft")
@@ -186,8 +194,6 @@ def test_load_reads_the_vocabulary_of_a_saved_draft_folder(tmp_path):
         load_draft_vocab(tmp_path / "empty")
     with pytest.raises(ValueError, match="No draft vocabulary at"):
         load_draft_vocab(tmp_path / "missing.safetensors")
-
-
 
 
 def test_vocab_from_real_sharegpt_conversations(tokenizer_dir):

@@ -51,9 +51,16 @@ def _generated(sequences: torch.Tensor, prompt_width: int, eos: set[int]) -> lis
 
 
 def run_batch_benchmark(
-    targets: dict[torch.dtype, Any], draft: Any, spec_dtype: torch.dtype, prompts: list[torch.Tensor],
-    batch_sizes: list[int], max_new_tokens: int, tree_kwargs: dict[str, Any], repeats: int, pad_id: int,
-) -> dict[str, Any]:  # fmt: skip
+    targets: dict[torch.dtype, Any],
+    draft: Any,
+    spec_dtype: torch.dtype,
+    prompts: list[torch.Tensor],
+    batch_sizes: list[int],
+    max_new_tokens: int,
+    tree_kwargs: dict[str, Any],
+    repeats: int,
+    pad_id: int,
+) -> dict[str, Any]:
     """Tokens/s per batch size and configuration (`plain_fp32`, `plain_bf16`, `eagle3_tree_<spec>`), and how many
     EAGLE-3 rows equal plain decoding's at the speculative precision."""
     eos = targets[spec_dtype].generation_config.eos_token_id
@@ -91,9 +98,11 @@ def run_batch_benchmark(
         same = sum(a == b for a, b in zip(outputs[eagle_name], reference))
         fastest = max(rates[name] for name in names)
         report["batch_sizes"][str(size)] = {
-            "tokens_per_s": rates, "vs_fastest_plain": rates[eagle_name] / fastest,
-            "rows_identical_to_plain": f"{same}/{len(reference)}", "batches": len(batches),
-        }  # fmt: skip
+            "tokens_per_s": rates,
+            "vs_fastest_plain": rates[eagle_name] / fastest,
+            "rows_identical_to_plain": f"{same}/{len(reference)}",
+            "batches": len(batches),
+        }
     return report
 
 

@@ -23,8 +23,12 @@ EVALUATION_NAME = "evaluation.json"  # in a draft folder: {set label: evaluate_d
 def format_evaluation_table(results: dict[str, dict[str, Any]], first_column: str = "evaluation set") -> str:
     """A markdown table of `evaluate_draft` metrics, one row per entry (a draft, or an evaluation set)."""
     steps = sorted({int(k[4:]) for m in results.values() for k in m if k.startswith("acc_") and k[4:].isdigit()})
-    lines = [f"| {first_column} | " + " | ".join(f"acc_{j}" for j in steps)
-             + " | coverage | simulated acceptance length | tokens |", "|---|" + "---|" * (len(steps) + 3)]  # fmt: skip
+    lines = [
+        f"| {first_column} | "
+        + " | ".join(f"acc_{j}" for j in steps)
+        + " | coverage | simulated acceptance length | tokens |",
+        "|---|" + "---|" * (len(steps) + 3),
+    ]
     for name, m in results.items():
         accs = " | ".join("n/a" if f"acc_{j}" not in m else f"{m[f'acc_{j}']:.3f}" for j in steps)
         tail = f"{m['coverage']:.3f} | {m['sim_accept_len']:.2f} | {m['supervised_tokens']}"
@@ -63,15 +67,17 @@ def bench_card(draft_dir: str, report: dict[str, Any] | None = None, **text: Any
             "identical": f"{report['identical']:.0%}" if "identical" in report else None,
             "tau_chain": f"{report['tau_chain']:.2f}" if "tau_chain" in report else None,
             "acceptance_by_depth": format_rates(report["acceptance_by_depth"], " / ")
-            if "acceptance_by_depth" in report else None,
+            if "acceptance_by_depth" in report
+            else None,
             "hardware": f"{env.get('cuda') or env.get('cpu')} ({threads} thread{'' if threads == 1 else 's'})",
             "dtype": cfg.get("dtype"),
             "prompts": f"{cfg.get('num_prompts')} prompts ({cfg.get('prompts', 'MT-bench turn 1')}) x "
-            f"{cfg.get('max_new_tokens')} new tokens" + (f", median of {cfg['repeats']} runs" if cfg.get("repeats") else ""),
+            f"{cfg.get('max_new_tokens')} new tokens"
+            + (f", median of {cfg['repeats']} runs" if cfg.get("repeats") else ""),
             "transformers_version": env.get("transformers"),
             "torch_version": env.get("torch"),
             **text,
-        }  # fmt: skip
+        }
     return build_model_card(config, info, metrics, text)
 
 

@@ -16,9 +16,16 @@ from eagle3_hf.generation.verify_choice import cpu_name
 from eagle3_hf.utils.precision import NATIVE_BF16_FLAGS, cpu_flags
 
 __all__ = [
-    "NEAR_TIE_ULPS", "acceptance_by_depth", "cycle_breakdown", "divergence", "environment", "format_markdown",
-    "format_table", "plot_acceptance", "ulp",
-]  # fmt: skip
+    "NEAR_TIE_ULPS",
+    "acceptance_by_depth",
+    "cycle_breakdown",
+    "divergence",
+    "environment",
+    "format_markdown",
+    "format_table",
+    "plot_acceptance",
+    "ulp",
+]
 
 
 def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float | None]:
@@ -33,17 +40,21 @@ def acceptance_by_depth(accept_lengths: list[int], max_depth: int) -> list[float
     return rates
 
 
-def cycle_breakdown(seconds: float, tokens: int, cycles: int, prompts: int, prefill_s: float, draft_s: float,
-                    verify_s: float) -> dict[str, float]:  # fmt: skip
+def cycle_breakdown(
+    seconds: float, tokens: int, cycles: int, prompts: int, prefill_s: float, draft_s: float, verify_s: float
+) -> dict[str, float]:
     """Where an EAGLE-3 configuration's time goes, in milliseconds per verification cycle: drafting the tree, the
     target's verify forward with acceptance and cache compaction, and everything else generate() does around them
     (token bookkeeping, stopping criteria, logits processors, setup); the prompt's prefill is kept apart."""
     per = 1000.0 / cycles
     other = seconds - prefill_s - draft_s - verify_s
     return {
-        "draft": draft_s * per, "verify": verify_s * per, "other": other * per,
-        "tokens_per_cycle": tokens / cycles, "prefill_per_prompt": 1000.0 * prefill_s / prompts,
-    }  # fmt: skip
+        "draft": draft_s * per,
+        "verify": verify_s * per,
+        "other": other * per,
+        "tokens_per_cycle": tokens / cycles,
+        "prefill_per_prompt": 1000.0 * prefill_s / prompts,
+    }
 
 
 # A reduced-precision run may flip a greedy choice only where the fp32 target's top two logits are this close, in
@@ -90,13 +101,20 @@ def divergence(
     logits = last_logits(scorer)
     top = logits.topk(2)
     report: dict[str, Any] = {
-        "position": common, "reference_token": ref_token, "other_token": other_token,
-        "top_logit": float(top.values[0]), "top2_margin": float(top.values[0] - top.values[1]),
+        "position": common,
+        "reference_token": ref_token,
+        "other_token": other_token,
+        "top_logit": float(top.values[0]),
+        "top2_margin": float(top.values[0] - top.values[1]),
         "fp32_choice": int(top.indices[0]),
-        "margin_ulps": None, "token_gap": None, "token_gap_same_precision": None,
-    }  # fmt: skip
+        "margin_ulps": None,
+        "token_gap": None,
+        "token_gap_same_precision": None,
+    }
     if same_precision is not None:
-        report["margin_ulps"] = report["top2_margin"] / ulp(float(top.values[0]), next(same_precision.parameters()).dtype)
+        report["margin_ulps"] = report["top2_margin"] / ulp(
+            float(top.values[0]), next(same_precision.parameters()).dtype
+        )
     if ref_token is not None and other_token is not None:
         report["token_gap"] = float(logits[ref_token] - logits[other_token])
         if same_precision is not None:
@@ -146,25 +164,34 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"tau (chain, incl. bonus): {report['tau_chain']:.2f}")
     for name, counts in report.get("accepted_by_source", {}).items():
         if any(value for key, value in counts.items() if key != "draft"):  # a tree with a lookup source
-            lines.append(f"{name}: accepted tokens from {source_text(counts)}; tau {report['tau_by_method'][name]:.2f} "
-                         f"over drafted cycles{field_tau_text(report, name)}")  # fmt: skip
+            lines.append(
+                f"{name}: accepted tokens from {source_text(counts)}; tau {report['tau_by_method'][name]:.2f} "
+                f"over drafted cycles{field_tau_text(report, name)}"
+            )
     if "best_prompt_lookup" in report:
-        versus = [f"; {m.replace('_', ' ')} {report[f'{m}_vs_best_prompt_lookup']:.2f}x it"
-                  for m in ("lookup_tree", "corpus_tree") if f"{m}_vs_best_prompt_lookup" in report]  # fmt: skip
+        versus = [
+            f"; {m.replace('_', ' ')} {report[f'{m}_vs_best_prompt_lookup']:.2f}x it"
+            for m in ("lookup_tree", "corpus_tree")
+            if f"{m}_vs_best_prompt_lookup" in report
+        ]
         lines.append(f"fastest prompt lookup: {report['best_prompt_lookup']}" + "".join(versus))
     if "identical" in report:
         lines.append(f"greedy tree outputs identical to plain at the same precision: {report['identical']:.0%}")
     if "row_exact" in report:
         lines.append(f"row-invariance probe: {report['row_exact']['description']}")
         if "verification" in report["row_exact"]:
-            lines.append(f"verification: {report['row_exact']['verification']} "
-                         f"({report['row_exact']['verification_reason']})")  # fmt: skip
+            lines.append(
+                f"verification: {report['row_exact']['verification']} ({report['row_exact']['verification_reason']})"
+            )
     for d in report.get("divergences", []):
         gap = "n/a" if d["token_gap"] is None else f"{d['token_gap']:.3f}"
         ulps = d.get("margin_ulps")
-        verdict = "" if ulps is None else f" = {ulps:.2f} ulp" + (
-            "" if ulps < NEAR_TIE_ULPS else f": NOT a near-tie (>= {NEAR_TIE_ULPS:g} ulp), a bug"
-        )  # fmt: skip
+        verdict = (
+            ""
+            if ulps is None
+            else f" = {ulps:.2f} ulp"
+            + ("" if ulps < NEAR_TIE_ULPS else f": NOT a near-tie (>= {NEAR_TIE_ULPS:g} ulp), a bug")
+        )
         lines.append(
             f"  prompt {d['prompt']} (repeat {d['repeat']}) diverges at token {d['position']}: "
             f"{d['reference_token']} -> {d['other_token']}, fp32 top-2 margin {d['top2_margin']:.3f}{verdict}, "
@@ -187,12 +214,14 @@ def source_text(counts: dict[str, int]) -> str:
     (draft, lookup, both: the context lookup then was the only lookup source)."""
     if "several" not in counts:
         return f"the draft {counts['draft']}, the lookup {counts['lookup']}, both {counts['both']}"
-    return (f"the draft {counts['draft']}, the context {counts['context']}, the corpus {counts['corpus']}, several "
-            f"{counts['several']}")  # fmt: skip
+    return (
+        f"the draft {counts['draft']}, the context {counts['context']}, the corpus {counts['corpus']}, several "
+        f"{counts['several']}"
+    )
 
 
 def field_tau_text(report: dict[str, Any], name: str) -> str:
-    """"; tau ... the field's way" where the report has it (reports of this version)."""
+    """ "; tau ... the field's way" where the report has it (reports of this version)."""
     tau = report.get("tau_field_by_method", {}).get(name)
     return "" if tau is None else f", {tau:.2f} the field's way (accepted draft tokens + 1, per cycle)"
 
@@ -210,12 +239,13 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"Hardware: {env.get('cuda') or env.get('cpu')} ({env.get('machine')}, {env.get('cores')} cores; bf16 "
         f"units: {', '.join(env.get('bf16_cpu_flags') or []) or 'none'}), {threads} thread{'s' * (threads != 1)}. "
         f"Speculative precision: {cfg.get('spec_dtype')}"
-        + (" (weights prepacked for oneDNN)" if cfg.get("prepacked") else "") + ". "
+        + (" (weights prepacked for oneDNN)" if cfg.get("prepacked") else "")
+        + ". "
         f"Prompts: {cfg.get('num_prompts')} ({cfg.get('prompts')}) x {cfg.get('max_new_tokens')} new tokens, "
         f"greedy; {cfg.get('repeats')} repeats, configurations interleaved per prompt, medians over repeats. "
         f"Versions: torch {env.get('torch')}, transformers {env.get('transformers')}, eagle3_hf "
         f"{env.get('eagle3_hf')}, Python {env.get('python')}.",
-    ]  # fmt: skip
+    ]
     if "speedup" in report:
         lines.append(
             f"EAGLE-3 tree: {report['speedup']:.2f}x the fastest plain configuration (`{report['fastest_plain']}`), "
@@ -224,8 +254,10 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"plain at the same precision: {report.get('identical', 0):.0%}."
         )
     for name, tau in report.get("tau_field_by_method", {}).items():  # reports of this version only
-        lines.append(f"`{name}`: tau {tau:.2f} (accepted draft tokens + 1 per cycle, every cycle); accepted tokens "
-                     f"from {source_text(report['accepted_by_source'][name])}.")  # fmt: skip
+        lines.append(
+            f"`{name}`: tau {tau:.2f} (accepted draft tokens + 1 per cycle, every cycle); accepted tokens "
+            f"from {source_text(report['accepted_by_source'][name])}."
+        )
     if "row_exact" in report:
         lines.append(f"Row-invariance probe: {report['row_exact']['description']}.")
         if "verification" in report["row_exact"]:

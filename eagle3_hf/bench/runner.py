@@ -46,8 +46,16 @@ from eagle3_hf.bench.report import (  # noqa: F401  (re-exported: the benchmark'
 from eagle3_hf.modeling.chat_template import apply_chat_template
 from eagle3_hf.utils.precision import short_name
 
-METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
-           "corpus_tree")  # fmt: skip
+METHODS = (
+    "plain",
+    "prompt_lookup",
+    "prompt_lookup_sweep",
+    "eagle3_chain",
+    "eagle3_tree",
+    "hybrid_tree",
+    "lookup_tree",
+    "corpus_tree",
+)
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 PLAIN_DTYPES = (torch.float32, torch.bfloat16)
 PROMPT_LOOKUP_SWEEP = (3, 5, 10)  # prompt_lookup_num_tokens tried by `prompt_lookup_sweep`
@@ -81,7 +89,9 @@ def plain_dtypes_for(device: str | torch.device, native_bf16: bool) -> tuple[tor
 
 
 def bench_configs(
-    spec_dtype: torch.dtype, methods: tuple[str, ...] = DEFAULT_METHODS, plain_dtypes: tuple[torch.dtype, ...] = PLAIN_DTYPES
+    spec_dtype: torch.dtype,
+    methods: tuple[str, ...] = DEFAULT_METHODS,
+    plain_dtypes: tuple[torch.dtype, ...] = PLAIN_DTYPES,
 ) -> list[BenchConfig]:
     """The configurations to run: plain in every `plain_dtypes` (and `spec_dtype`), the others at `spec_dtype`."""
     unknown = [m for m in methods if m not in METHODS]
@@ -98,8 +108,9 @@ def bench_configs(
     return configs
 
 
-def read_prompts(path: str, tokenizer: Any, num_prompts: int | None, every: int = 1,
-                 enable_thinking: bool | None = None) -> list[torch.Tensor]:  # fmt: skip
+def read_prompts(
+    path: str, tokenizer: Any, num_prompts: int | None, every: int = 1, enable_thinking: bool | None = None
+) -> list[torch.Tensor]:
     """Prompts from MT-bench `question.jsonl` (`turns`, first turn used) or JSONL with `prompt` or `messages`,
     rendered with the tokenizer's chat template (its thinking switch `enable_thinking`; None: the template's
     default): every `every`-th record (MT-bench lists its 8 categories in
@@ -129,8 +140,14 @@ def read_prompts(path: str, tokenizer: Any, num_prompts: int | None, every: int 
     if not prompts:
         raise ValueError(f"No prompts found in {path}.")
     return [
-        apply_chat_template(tokenizer, m, enable_thinking=enable_thinking, add_generation_prompt=True,
-                            return_tensors="pt", return_dict=True)["input_ids"]
+        apply_chat_template(
+            tokenizer,
+            m,
+            enable_thinking=enable_thinking,
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
         for m in prompts
     ]
 
@@ -181,8 +198,10 @@ def run_benchmark(
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
-    missing = sorted({str(c.dtype) for c in configs if c.dtype not in targets} | {
-        str(c.dtype) for c in configs if c.method in DRAFT_METHODS and c.dtype not in drafts})  # fmt: skip
+    missing = sorted(
+        {str(c.dtype) for c in configs if c.dtype not in targets}
+        | {str(c.dtype) for c in configs if c.method in DRAFT_METHODS and c.dtype not in drafts}
+    )
     if missing:
         raise ValueError(f"No target or draft given for precision(s) {missing} that the configurations need.")
     if corpus is None and any(c.method == "corpus_tree" for c in configs):
@@ -199,15 +218,27 @@ def run_benchmark(
     chain_kwargs = {k: v for k, v in tree_kwargs.items() if k not in ("tree_top_k", "tree_total_tokens")}
     chain_kwargs.update(context_lookup=False, corpus=False)  # the draft alone
     lookup_kwargs = dict(lookup_kwargs or {})
-    hybrid_kwargs = dict(tree_kwargs, context_lookup=True, **{
-        k: v for k, v in (("lookup_depth", lookup_kwargs.get("tree_depth")),
-                          ("lookup_branches", lookup_kwargs.get("lookup_branches"))) if v is not None},
-                         **({} if corpus is None else {"corpus": corpus}))  # fmt: skip
+    hybrid_kwargs = dict(
+        tree_kwargs,
+        context_lookup=True,
+        **{
+            k: v
+            for k, v in (
+                ("lookup_depth", lookup_kwargs.get("tree_depth")),
+                ("lookup_branches", lookup_kwargs.get("lookup_branches")),
+            )
+            if v is not None
+        },
+        **({} if corpus is None else {"corpus": corpus}),
+    )
     # the lookup tree is sized by its own options; it shares the verification options with the draft trees
     lookup_tree_kwargs = {k: v for k, v in tree_kwargs.items() if k in ("adaptive_tree", "exact_verify")}
     lookup_tree_kwargs.update(lookup_kwargs)
-    lookups = {(m, d): ContextLookup(corpus=corpus if m == "corpus_tree" else None).bind(t)
-               for d, t in targets.items() for m in ("lookup_tree", "corpus_tree")}  # fmt: skip
+    lookups = {
+        (m, d): ContextLookup(corpus=corpus if m == "corpus_tree" else None).bind(t)
+        for d, t in targets.items()
+        for m in ("lookup_tree", "corpus_tree")
+    }
 
     def call(config: BenchConfig, ids: torch.Tensor, max_new: int) -> Any:
         target, draft = targets[config.dtype], drafts.get(config.dtype)
@@ -219,15 +250,32 @@ def run_benchmark(
         if config.method == "hybrid_tree":
             return target.generate(ids, assistant_model=draft, return_dict_in_generate=True, **hybrid_kwargs, **kwargs)
         if config.method in ("lookup_tree", "corpus_tree"):
-            return target.generate(ids, assistant_model=lookups[config.method, config.dtype],
-                                   return_dict_in_generate=True, **lookup_tree_kwargs, **kwargs)  # fmt: skip
-        if config.method == "eagle3_chain":  # a fixed-depth chain: every cycle drafts `depth` tokens (the paper's n-alpha)
             return target.generate(
-                ids, assistant_model=draft, return_dict_in_generate=True, tree_top_k=1,
-                tree_total_tokens=depth + 1, **dict(chain_kwargs, adaptive_tree=False), **kwargs,
-            )  # fmt: skip
-        return target.generate(ids, assistant_model=draft, return_dict_in_generate=True,
-                               **dict(tree_kwargs, context_lookup=False, corpus=False), **kwargs)  # fmt: skip
+                ids,
+                assistant_model=lookups[config.method, config.dtype],
+                return_dict_in_generate=True,
+                **lookup_tree_kwargs,
+                **kwargs,
+            )
+        if (
+            config.method == "eagle3_chain"
+        ):  # a fixed-depth chain: every cycle drafts `depth` tokens (the paper's n-alpha)
+            return target.generate(
+                ids,
+                assistant_model=draft,
+                return_dict_in_generate=True,
+                tree_top_k=1,
+                tree_total_tokens=depth + 1,
+                **dict(chain_kwargs, adaptive_tree=False),
+                **kwargs,
+            )
+        return target.generate(
+            ids,
+            assistant_model=draft,
+            return_dict_in_generate=True,
+            **dict(tree_kwargs, context_lookup=False, corpus=False),
+            **kwargs,
+        )
 
     results = {c.name: ConfigResult() for c in configs}
     with torch.no_grad():
@@ -258,8 +306,12 @@ def run_benchmark(
                         r.prefill_s += out.prefill_time
                         r.draft_s += out.draft_time
                         r.verify_s += out.verify_time
-                        found = (out.accepted_from_draft, out.accepted_from_lookup, out.accepted_from_corpus,
-                                 out.accepted_from_both)  # fmt: skip
+                        found = (
+                            out.accepted_from_draft,
+                            out.accepted_from_lookup,
+                            out.accepted_from_corpus,
+                            out.accepted_from_both,
+                        )
                         r.sources = [a + b for a, b in zip(r.sources, found)]
         report = _report(results, configs, prompts, depth)
         if not sample:
@@ -318,12 +370,16 @@ def _report(results: dict[str, ConfigResult], configs: list[BenchConfig], prompt
             same = results[BenchConfig("plain", tree_config.dtype).name]
             report["speedup"] = tree.tokens_per_s / best if best else 0.0
             report["speedup_same_precision"] = tree.tokens_per_s / same.tokens_per_s if same.tokens_per_s else 0.0
-        report["plain_ms_per_token"] = {n: 1000 * sum(results[n].seconds) / max(sum(results[n].tokens), 1) for n in plain}
+        report["plain_ms_per_token"] = {
+            n: 1000 * sum(results[n].seconds) / max(sum(results[n].tokens), 1) for n in plain
+        }
     report["time_per_cycle_ms"] = {
-        n: cycle_breakdown(sum(r.seconds), sum(r.tokens), r.cycles, len(prompts) * len(r.seconds), r.prefill_s,
-                           r.draft_s, r.verify_s)
-        for n, r in results.items() if r.cycles
-    }  # fmt: skip
+        n: cycle_breakdown(
+            sum(r.seconds), sum(r.tokens), r.cycles, len(prompts) * len(r.seconds), r.prefill_s, r.draft_s, r.verify_s
+        )
+        for n, r in results.items()
+        if r.cycles
+    }
     report["tokens"] = {n: sum(r.tokens) for n, r in results.items()}
     report["seconds"] = {n: sum(r.seconds) for n, r in results.items()}
     return report
@@ -371,14 +427,21 @@ def row_exact_report(target: Any, exact_verify: bool | str = "auto") -> dict[str
     else:
         result = probe_row_exactness(target, exact_verify=False)
     return {
-        "identical": result.identical, "first_difference": result.first_difference,
-        "max_logit_difference": result.max_logit_difference, "description": result.describe(),
-        "verification": choice.mode, "verification_reason": choice.reason,
-    }  # fmt: skip
+        "identical": result.identical,
+        "first_difference": result.first_difference,
+        "max_logit_difference": result.max_logit_difference,
+        "description": result.describe(),
+        "verification": choice.mode,
+        "verification_reason": choice.reason,
+    }
 
 
-def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype], need_draft: bool = True,
-                ) -> tuple[dict, dict, bool]:  # fmt: skip
+def load_models(
+    args: Any,
+    spec_dtype: torch.dtype,
+    dtypes: set[torch.dtype],
+    need_draft: bool = True,
+) -> tuple[dict, dict, bool]:
     """The target in every precision needed (loaded once, copied and cast), the draft bound to the speculative one
     (none unless `need_draft`), and whether bf16 CPU weights were prepacked."""
     from eagle3_hf.draft_names import load_draft_for
@@ -386,7 +449,9 @@ def load_models(args: Any, spec_dtype: torch.dtype, dtypes: set[torch.dtype], ne
     from eagle3_hf.targets import cast_weights, load_target
 
     base = load_target(args.target, dtype=torch.float32, device=args.device)
-    targets = {d: base if d == torch.float32 else cast_weights(copy.deepcopy(base), d) for d in dtypes | {torch.float32}}
+    targets = {
+        d: base if d == torch.float32 else cast_weights(copy.deepcopy(base), d) for d in dtypes | {torch.float32}
+    }
     draft = load_draft_for(args.target, targets[spec_dtype], args.draft) if need_draft else None
     prepacked = False
     if not args.no_prepack:

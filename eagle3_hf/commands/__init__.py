@@ -19,8 +19,16 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
-    "THINKING_HELP", "CommandParser", "OneLineErrors", "ShowDefaults", "add_thinking_argument", "apply_config",
-    "is_main_process", "load_config_file", "say", "split_config",
+    "THINKING_HELP",
+    "CommandParser",
+    "OneLineErrors",
+    "ShowDefaults",
+    "add_thinking_argument",
+    "apply_config",
+    "is_main_process",
+    "load_config_file",
+    "say",
+    "split_config",
 ]
 
 THINKING_HELP = (
@@ -89,8 +97,9 @@ def load_config_file(path: str) -> dict[str, Any]:
     except ImportError as err:
         raise ValueError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or use JSON.") from err
     except Exception as err:  # json.JSONDecodeError, yaml.YAMLError: say which file, and where
-        raise ValueError(f"--config {path} is not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
-                         f"{err}") from err  # fmt: skip
+        raise ValueError(
+            f"--config {path} is not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {err}"
+        ) from err
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} must hold a mapping of option names to values, got {type(data).__name__}.")
     return data

@@ -10,8 +10,16 @@ from eagle3_hf.commands import add_thinking_argument
 from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
 
 # The choices of --methods; `eagle3_hf.bench.runner.METHODS` (checked in the tests), spelt out so --help stays light.
-METHODS = ("plain", "prompt_lookup", "prompt_lookup_sweep", "eagle3_chain", "eagle3_tree", "hybrid_tree", "lookup_tree",
-           "corpus_tree")  # fmt: skip
+METHODS = (
+    "plain",
+    "prompt_lookup",
+    "prompt_lookup_sweep",
+    "eagle3_chain",
+    "eagle3_tree",
+    "hybrid_tree",
+    "lookup_tree",
+    "corpus_tree",
+)
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
 
 
@@ -26,37 +34,59 @@ def add_cli_arguments(parser: Any) -> None:
     add_precision_arguments(parser, "speculative decoding")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                        help=f"comma-separated subset of {', '.join(METHODS)}")  # fmt: skip
-    parser.add_argument("--tree-depth", type=int, default=None,
-                        help="levels the draft grows (default: the draft config's)")  # fmt: skip
-    parser.add_argument("--tree-top-k", type=int, default=None,
-                        help="children kept per frontier node (default: the draft config's)")  # fmt: skip
-    parser.add_argument("--tree-total-tokens", type=int, default=None,
-                        help="nodes verified at most (default: the draft config's)")  # fmt: skip
-    parser.add_argument("--lookup-depth", type=int, default=None,
-                        help="tokens per context-lookup continuation (hybrid_tree, lookup_tree)")  # fmt: skip
-    parser.add_argument("--lookup-branches", type=int, default=None,
-                        help="continuations per cycle (hybrid_tree, lookup_tree; default 4)")  # fmt: skip
-    parser.add_argument("--lookup-total-tokens", type=int, default=None,
-                        help="lookup_tree size, root included (default 16)")  # fmt: skip
-    parser.add_argument("--corpus", default=None, metavar="FILE",
-                        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers: corpus_tree's, and "
-                             "hybrid_tree's too (default: the draft's own corpus.safetensors, if its folder has one)")
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {', '.join(METHODS)}"
+    )
+    parser.add_argument(
+        "--tree-depth", type=int, default=None, help="levels the draft grows (default: the draft config's)"
+    )
+    parser.add_argument(
+        "--tree-top-k", type=int, default=None, help="children kept per frontier node (default: the draft config's)"
+    )
+    parser.add_argument(
+        "--tree-total-tokens", type=int, default=None, help="nodes verified at most (default: the draft config's)"
+    )
+    parser.add_argument(
+        "--lookup-depth",
+        type=int,
+        default=None,
+        help="tokens per context-lookup continuation (hybrid_tree, lookup_tree)",
+    )
+    parser.add_argument(
+        "--lookup-branches",
+        type=int,
+        default=None,
+        help="continuations per cycle (hybrid_tree, lookup_tree; default 4)",
+    )
+    parser.add_argument(
+        "--lookup-total-tokens", type=int, default=None, help="lookup_tree size, root included (default 16)"
+    )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        metavar="FILE",
+        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers: corpus_tree's, and "
+        "hybrid_tree's too (default: the draft's own corpus.safetensors, if its folder has one)",
+    )
     add_exact_verify_argument(parser)
     add_thinking_argument(parser)
-    parser.add_argument("--batch-size", default=None,
-                        help="comma-separated batch sizes (e.g. 1,4,8): the batched benchmark instead, plain batched "
-                        "generate() in fp32 and bf16 against EAGLE-3 over left-padded batches of mixed-length prompts")
+    parser.add_argument(
+        "--batch-size",
+        default=None,
+        help="comma-separated batch sizes (e.g. 1,4,8): the batched benchmark instead, plain batched "
+        "generate() in fp32 and bf16 against EAGLE-3 over left-padded batches of mixed-length prompts",
+    )
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--markdown", default=None, help="write the README numbers table (markdown) here")
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here (needs [plot])")
     parser.add_argument(
-        "--model-card", action="store_true",
+        "--model-card",
+        action="store_true",
         help="rewrite the --draft folder's README.md (its model card) with the measurements",
-    )  # fmt: skip
-    parser.add_argument("--overwrite-output-dir", action="store_true",
-                        help="replace an existing --json, --markdown or --plot file")  # fmt: skip
+    )
+    parser.add_argument(
+        "--overwrite-output-dir", action="store_true", help="replace an existing --json, --markdown or --plot file"
+    )
 
 
 def _check_options(args: Any) -> tuple[str, ...]:
@@ -69,10 +99,15 @@ def _check_options(args: Any) -> tuple[str, ...]:
         raise ValueError(f"--methods {args.methods!r}: unknown method(s) {unknown}; choose from {', '.join(METHODS)}.")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}.")
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                        ("--threads", args.threads), ("--every", args.every), ("--repeats", args.repeats),
-                        ("--lookup-depth", args.lookup_depth),
-                        ("--lookup-branches", args.lookup_branches)):  # fmt: skip
+    for flag, value in (
+        ("--num-prompts", args.num_prompts),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--threads", args.threads),
+        ("--every", args.every),
+        ("--repeats", args.repeats),
+        ("--lookup-depth", args.lookup_depth),
+        ("--lookup-branches", args.lookup_branches),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}.")
     if args.batch_size is not None:
@@ -113,8 +148,12 @@ def draft_thinking_mismatch(draft: Any, enable_thinking: bool | None, name: str 
     info = getattr(draft, "training_info", None) or {}
     if THINKING_VARIABLE not in info:
         return None
-    return thinking_mismatch(info[THINKING_VARIABLE], enable_thinking, f"The draft {name or '(shipped)'} was trained",
-                             "this benchmark renders its prompts")  # fmt: skip
+    return thinking_mismatch(
+        info[THINKING_VARIABLE],
+        enable_thinking,
+        f"The draft {name or '(shipped)'} was trained",
+        "this benchmark renders its prompts",
+    )
 
 
 def run_cli(args: Any) -> int:
@@ -123,6 +162,7 @@ def run_cli(args: Any) -> int:
         methods = ("plain", "eagle3_tree")  # what the batched benchmark compares
     import torch
 
+    from eagle3_hf.bench.cards import write_bench_card
     from eagle3_hf.bench.runner import (
         DRAFT_METHODS,
         TREE_METHODS,
@@ -137,7 +177,6 @@ def run_cli(args: Any) -> int:
         row_exact_report,
         run_benchmark,
     )
-    from eagle3_hf.bench.cards import write_bench_card
     from eagle3_hf.modeling.shipped import default_prompts_path
     from eagle3_hf.targets import check_device, load_tokenizer, resolve_target
     from eagle3_hf.utils.outputs import staged_file
@@ -149,20 +188,25 @@ def run_cli(args: Any) -> int:
     spec_dtype = resolve_dtype(args.dtype, args.device)
     plain_dtypes = plain_dtypes_for(args.device, has_native_bf16_matmul())
     if torch.bfloat16 not in (*plain_dtypes, spec_dtype):
-        print("plain bf16 left out: this CPU has no native bf16 matmul, so bf16 would run emulated "
-              "(--dtype bfloat16 benchmarks it anyway)")  # fmt: skip
+        print(
+            "plain bf16 left out: this CPU has no native bf16 matmul, so bf16 would run emulated "
+            "(--dtype bfloat16 benchmarks it anyway)"
+        )
     configs = bench_configs(spec_dtype, methods, plain_dtypes)
     need_draft = any(c.method in DRAFT_METHODS for c in configs)
     targets, drafts, prepacked = load_models(args, spec_dtype, {c.dtype for c in configs}, need_draft)
     prompts_path = args.prompts or default_prompts_path()
-    prompts = read_prompts(prompts_path, load_tokenizer(args.target), args.num_prompts, args.every,
-                           args.enable_thinking)  # fmt: skip
+    prompts = read_prompts(
+        prompts_path, load_tokenizer(args.target), args.num_prompts, args.every, args.enable_thinking
+    )
     if warning := draft_thinking_mismatch(drafts.get(spec_dtype), args.enable_thinking, args.draft):
         print(f"Warning: {warning}")
     tree_kwargs = {
         k: v
         for k, v in {
-            "tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens
+            "tree_depth": args.tree_depth,
+            "tree_top_k": args.tree_top_k,
+            "tree_total_tokens": args.tree_total_tokens,
         }.items()
         if v is not None
     }
@@ -170,31 +214,55 @@ def run_cli(args: Any) -> int:
     lookup_kwargs = {
         k: v
         for k, v in {
-            "tree_depth": args.lookup_depth, "lookup_branches": args.lookup_branches,
+            "tree_depth": args.lookup_depth,
+            "lookup_branches": args.lookup_branches,
             "tree_total_tokens": args.lookup_total_tokens,
         }.items()
         if v is not None
-    }  # fmt: skip
+    }
     if args.batch_size is not None:
         return _run_batched(args, targets, drafts[spec_dtype], spec_dtype, prompts, tree_kwargs)
     report = run_benchmark(
-        targets, drafts, prompts, configs, args.max_new_tokens, args.temperature, tree_kwargs, args.repeats,
-        lookup_kwargs=lookup_kwargs, corpus=args.corpus,
+        targets,
+        drafts,
+        prompts,
+        configs,
+        args.max_new_tokens,
+        args.temperature,
+        tree_kwargs,
+        args.repeats,
+        lookup_kwargs=lookup_kwargs,
+        corpus=args.corpus,
     )
     if any(c.method in TREE_METHODS for c in configs):
         report["row_exact"] = row_exact_report(targets[spec_dtype], exact_verify=exact_verify_setting(args))
     source = "MT-bench turn 1" if args.prompts is None else os.path.basename(prompts_path)
     report["config"] = {
-        "target": args.target, "draft": args.draft or "(shipped)", "dtype": str(spec_dtype).removeprefix("torch."),
-        "spec_dtype": short_name(spec_dtype), "prepacked": prepacked, "device": args.device,
+        "target": args.target,
+        "draft": args.draft or "(shipped)",
+        "dtype": str(spec_dtype).removeprefix("torch."),
+        "spec_dtype": short_name(spec_dtype),
+        "prepacked": prepacked,
+        "device": args.device,
         "prompts": f"{source}, every {args.every}th record" if args.every > 1 else f"{source}, all records",
-        "every": args.every, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "temperature": args.temperature, "enable_thinking": args.enable_thinking,
+        "every": args.every,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "temperature": args.temperature,
+        "enable_thinking": args.enable_thinking,
         **tree_kwargs,
-        **{k: v for k, v in (("lookup_depth", args.lookup_depth), ("lookup_branches", args.lookup_branches),
-                             ("lookup_total_tokens", args.lookup_total_tokens), ("corpus", args.corpus))
-           if v is not None},
-    }  # fmt: skip
+        **{
+            k: v
+            for k, v in (
+                ("lookup_depth", args.lookup_depth),
+                ("lookup_branches", args.lookup_branches),
+                ("lookup_total_tokens", args.lookup_total_tokens),
+                ("corpus", args.corpus),
+            )
+            if v is not None
+        },
+    }
     report["environment"] = environment()
     print(format_table(report))
     if args.json:
@@ -208,11 +276,12 @@ def run_cli(args: Any) -> int:
             plot_acceptance(report, temporary, fmt="png")
     if args.model_card:
         shown = ("target", "draft", "every", "num_prompts", "max_new_tokens", "repeats")
-        command = "eagle3-hf bench " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown
-        ) + f" --dtype {args.dtype}" + {None: "", True: " --enable-thinking", False: " --no-enable-thinking"}[
-            args.enable_thinking
-        ]
+        command = (
+            "eagle3-hf bench "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in report["config"].items() if k in shown)
+            + f" --dtype {args.dtype}"
+            + {None: "", True: " --enable-thinking", False: " --no-enable-thinking"}[args.enable_thinking]
+        )
         print(f"Model card written to {write_bench_card(args.draft, report, bench_command=command)}")
     return 0
 
@@ -227,8 +296,9 @@ def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts:
     tokenizer = load_tokenizer(args.target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sizes = [int(size) for size in args.batch_size.split(",") if size.strip()]
-    report = run_batch_benchmark(targets, draft, spec_dtype, prompts, sizes, args.max_new_tokens, tree_kwargs,
-                                 args.repeats, pad_id or 0)  # fmt: skip
+    report = run_batch_benchmark(
+        targets, draft, spec_dtype, prompts, sizes, args.max_new_tokens, tree_kwargs, args.repeats, pad_id or 0
+    )
     report["enable_thinking"] = args.enable_thinking
     report["environment"] = environment()
     table = format_batch_table(report)

@@ -22,30 +22,37 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="draft checkpoint: a folder or Hub id in any supported layout (detected)")
     parser.add_argument("dst", help="output folder (missing or empty, or --overwrite-output-dir)")
     parser.add_argument(
-        "--to", choices=LAYOUTS, default="native",
+        "--to",
+        choices=LAYOUTS,
+        default="native",
         help="layout to write: native (ours), speculators (vLLM speculators) or eagle (official SafeAILab/SpecForge)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--target", default=None,
+        "--target",
+        default=None,
         help="target model (short name such as 'smollm2', a folder, a .gguf file): checks the draft against it and "
-             "supplies its embedding (bit for bit, in the target's precision) and architectures; needed for "
-             "speculators when the checkpoint has no embedding",
-    )  # fmt: skip
+        "supplies its embedding (bit for bit, in the target's precision) and architectures; needed for "
+        "speculators when the checkpoint has no embedding",
+    )
     parser.add_argument(
-        "--target-id", default=None,
+        "--target-id",
+        default=None,
         help="the target's Hub id (org/name) to record, e.g. in the speculators config's verifier (default: what "
-             "the draft records, or the id of a known short name)",
-    )  # fmt: skip
+        "the draft records, or the id of a known short name)",
+    )
     parser.add_argument(
-        "--verifier-path", default=None, metavar="DIR",
+        "--verifier-path",
+        default=None,
+        metavar="DIR",
         help="speculators only: record this local folder (the target saved by transformers: config.json and "
-             "weights) as the verifier instead of a Hub id, so that speculators loads it offline",
-    )  # fmt: skip
+        "weights) as the verifier instead of a Hub id, so that speculators loads it offline",
+    )
     parser.add_argument(
-        "--include-embedding", action="store_true",
+        "--include-embedding",
+        action="store_true",
         help="write the token embedding; the official layout omits it otherwise (native and speculators write it "
-             "whenever it is known)",
-    )  # fmt: skip
+        "whenever it is known)",
+    )
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing non-empty DST")
 
 
@@ -73,8 +80,10 @@ def _recorded(name: str) -> str:
     from eagle3_hf.utils.hub import is_hub_id
 
     if is_hub_id(name):
-        return (f"Recorded the verifier as the Hub id {name!r}: speculators fetches it from the Hub (to load it "
-                "offline, pass --verifier-path DIR with a local copy of the target).")  # fmt: skip
+        return (
+            f"Recorded the verifier as the Hub id {name!r}: speculators fetches it from the Hub (to load it "
+            "offline, pass --verifier-path DIR with a local copy of the target)."
+        )
     return f"Recorded the verifier as the local folder {name!r}: speculators loads it from there, offline."
 
 
@@ -116,7 +125,10 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.to == EAGLE and not args.include_embedding:
         # The layout's consumers take a missing embedding from the target, but `speculators convert` fills it with
         # zeros and nothing complains: say so while the user can still add it.
-        print("eagle3-hf convert: warning: wrote no token embedding (the official layout leaves it out); a tool "
-              "converting this checkpoint onward must supply the target's, or it may load zeros in its place: pass "
-              "--include-embedding to write it", file=sys.stderr)  # fmt: skip
+        print(
+            "eagle3-hf convert: warning: wrote no token embedding (the official layout leaves it out); a tool "
+            "converting this checkpoint onward must supply the target's, or it may load zeros in its place: pass "
+            "--include-embedding to write it",
+            file=sys.stderr,
+        )
     return 0

@@ -19,20 +19,35 @@ MT_BENCH = "mt-bench"  # stands for the MT-bench questions the benchmark reads b
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True,
-                        help='target that wrote the answers (its tokenizer): a folder, .gguf, "smollm2"')  # fmt: skip
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="`eagle3-hf regenerate` output folders (or conversation files) whose answers are indexed")
-    parser.add_argument("--output", required=True,
-                        help="safetensors file to write (corpus.safetensors in a draft folder: the draft's corpus)")
     parser.add_argument(
-        "--exclude-prompts", nargs="*", default=[MT_BENCH], metavar="FILE",
+        "--target", required=True, help='target that wrote the answers (its tokenizer): a folder, .gguf, "smollm2"'
+    )
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="`eagle3-hf regenerate` output folders (or conversation files) whose answers are indexed",
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="safetensors file to write (corpus.safetensors in a draft folder: the draft's corpus)",
+    )
+    parser.add_argument(
+        "--exclude-prompts",
+        nargs="*",
+        default=[MT_BENCH],
+        metavar="FILE",
         help=f"evaluation prompts whose conversations are left out (a user turn equal to one, case and whitespace "
-             f"aside): MT-bench question.jsonl files or conversation files, {MT_BENCH!r} for the MT-bench questions "
-             f"`eagle3-hf bench` uses (default: {MT_BENCH}); the option with no file leaves nothing out",
-    )  # fmt: skip
-    parser.add_argument("--depth", type=int, default=64,
-                        help="longest match a query can find, in tokens (the index is sorted this deep)")  # fmt: skip
+        f"aside): MT-bench question.jsonl files or conversation files, {MT_BENCH!r} for the MT-bench questions "
+        f"`eagle3-hf bench` uses (default: {MT_BENCH}); the option with no file leaves nothing out",
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=64,
+        help="longest match a query can find, in tokens (the index is sorted this deep)",
+    )
     parser.add_argument("--num-proc", type=int, default=None, help="processes that tokenise (default: this one)")
     add_thinking_argument(parser)
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --output file")
@@ -71,24 +86,35 @@ def run_cli(args: argparse.Namespace) -> int:
 
     prompts = read_evaluation_prompts(prompt_files) if prompt_files else set()
     if not prompt_files:
-        say("Warning: no evaluation prompts left out (--exclude-prompts with no file); a benchmark on prompts whose "
-            "answers are in the corpus measures recall, not speed-up.")  # fmt: skip
+        say(
+            "Warning: no evaluation prompts left out (--exclude-prompts with no file); a benchmark on prompts whose "
+            "answers are in the corpus measures recall, not speed-up."
+        )
     tokenizer = load_tokenizer(args.target)
     start = time.perf_counter()
-    documents, stats = corpus_documents(tokenizer, args.data, exclude=prompts, num_proc=args.num_proc,
-                                        enable_thinking=args.enable_thinking)  # fmt: skip
+    documents, stats = corpus_documents(
+        tokenizer, args.data, exclude=prompts, num_proc=args.num_proc, enable_thinking=args.enable_thinking
+    )
     tokenised = time.perf_counter() - start
-    metadata = {"target": args.target, "target_hub_id": target_hub_id(args.target),
-                "data": [os.path.basename(os.path.normpath(p)) for p in args.data],
-                "exclude_prompts": [os.path.basename(p) for p in prompt_files], **stats.to_dict()}  # fmt: skip
+    metadata = {
+        "target": args.target,
+        "target_hub_id": target_hub_id(args.target),
+        "data": [os.path.basename(os.path.normpath(p)) for p in args.data],
+        "exclude_prompts": [os.path.basename(p) for p in prompt_files],
+        **stats.to_dict(),
+    }
     start = time.perf_counter()
     index = CorpusIndex.build(documents, vocab_size=len(tokenizer), depth=args.depth, metadata=metadata)
     built = time.perf_counter() - start
     with staged_file(args.output) as temporary:
         index.save(temporary)
-    say(f"left out {stats.conversations_excluded} of {stats.conversations_read} conversations that ask an "
-        f"evaluation prompt")  # fmt: skip
-    say(f"Corpus of {index.num_tokens} tokens in {index.num_documents} answers written to {args.output}: "
+    say(
+        f"left out {stats.conversations_excluded} of {stats.conversations_read} conversations that ask an "
+        f"evaluation prompt"
+    )
+    say(
+        f"Corpus of {index.num_tokens} tokens in {index.num_documents} answers written to {args.output}: "
         f"{index.nbytes} bytes ({index.nbytes / index.num_tokens:.1f} per token); tokenised in {tokenised:.1f} s, "
-        f"built in {built:.2f} s.")  # fmt: skip
+        f"built in {built:.2f} s."
+    )
     return 0

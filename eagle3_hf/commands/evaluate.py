@@ -20,27 +20,47 @@ from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="smollm2", help='target model: a folder, a .gguf file, or "smollm2"')
     parser.add_argument("--draft", nargs="+", default=[None], help="draft folders (default: the shipped draft)")
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="conversations answered by the target: JSON(L) or folders of shards (such as "
-                        "regen_mtbench/ from examples/data/smollm2_mtbench_turn1_regen.tar.gz)")  # fmt: skip
-    parser.add_argument("--split", choices=("held-out", "all"), default="held-out",
-                        help="held-out: only the conversations training leaves out (by id hash); all: every one "
-                        "(data no draft was trained on, such as MT-bench)")  # fmt: skip
-    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
-                        help="share of conversations (by id hash) training held out (as in training)")  # fmt: skip
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="conversations answered by the target: JSON(L) or folders of shards (such as "
+        "regen_mtbench/ from examples/data/smollm2_mtbench_turn1_regen.tar.gz)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=("held-out", "all"),
+        default="held-out",
+        help="held-out: only the conversations training leaves out (by id hash); all: every one "
+        "(data no draft was trained on, such as MT-bench)",
+    )
+    parser.add_argument(
+        "--held-out-fraction",
+        type=float,
+        default=DEFAULT_HELD_OUT_FRACTION,
+        help="share of conversations (by id hash) training held out (as in training)",
+    )
     parser.add_argument("--max-conversations", type=int, default=None, help="evaluate at most this many")
     parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: cut)")
     add_thinking_argument(parser)
     parser.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (each scored)")
     parser.add_argument("--batch-size", type=int, default=4, help="conversations per forward")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="dtype of the target and the draft (a GGUF target computes in float32 anyway)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the target and the draft (a GGUF target computes in float32 anyway)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps")
     parser.add_argument("--json", default=None, help="write {draft: metrics} here")
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --json file")
-    parser.add_argument("--record", default=None, metavar="LABEL",
-                        help=f"also keep the metrics in each draft folder's {EVALUATION_NAME} under LABEL (e.g. "
-                        "'MT-bench turn 1'); its model card shows them")  # fmt: skip
+    parser.add_argument(
+        "--record",
+        default=None,
+        metavar="LABEL",
+        help=f"also keep the metrics in each draft folder's {EVALUATION_NAME} under LABEL (e.g. "
+        "'MT-bench turn 1'); its model card shows them",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -53,16 +73,17 @@ def run_cli(args: argparse.Namespace) -> int:
     from eagle3_hf.draft_names import load_draft_for
     from eagle3_hf.modeling.shipped import shipped_draft_path
     from eagle3_hf.targets import load_target, load_tokenizer
-    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.training.evaluation import evaluate_draft
     from eagle3_hf.training.split import split_filter
+    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.utils.precision import emulated_bf16_warning
 
     try:
         select = split_filter(args.split, args.held_out_fraction)
         tokenizer = load_tokenizer(args.target)
-        dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations, select,
-                                   enable_thinking=args.enable_thinking)  # fmt: skip
+        dataset, _ = tokenise_data(
+            tokenizer, args.data, args.max_length, args.max_conversations, select, enable_thinking=args.enable_thinking
+        )
         if warning := emulated_bf16_warning(args.dtype, args.device):
             say(f"Warning: {warning}")
         dtype = getattr(torch, args.dtype)

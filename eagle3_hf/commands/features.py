@@ -12,31 +12,56 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined",
+    )
     parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
-    parser.add_argument("--logits-top-k", type=int, default=DEFAULT_TOP_K,
-                        help="target logits kept per token (the largest, over the full vocabulary, with their ids); "
-                        "they serve any draft vocabulary")  # fmt: skip
-    parser.add_argument("--split", choices=SPLITS, default="train",
-                        help="train: leave out the held-out conversations (by id hash); held-out: only those (for "
-                        "`train --eval-features`); all: every one")  # fmt: skip
-    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
-                        help="share of conversations (by id hash) held out; must match training's")  # fmt: skip
+    parser.add_argument(
+        "--logits-top-k",
+        type=int,
+        default=DEFAULT_TOP_K,
+        help="target logits kept per token (the largest, over the full vocabulary, with their ids); "
+        "they serve any draft vocabulary",
+    )
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="train",
+        help="train: leave out the held-out conversations (by id hash); held-out: only those (for "
+        "`train --eval-features`); all: every one",
+    )
+    parser.add_argument(
+        "--held-out-fraction",
+        type=float,
+        default=DEFAULT_HELD_OUT_FRACTION,
+        help="share of conversations (by id hash) held out; must match training's",
+    )
     parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: truncated)")
     add_thinking_argument(parser)
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
-    parser.add_argument("--shard-size", type=int, default=256,
-                        help="conversations per shard (the most work an interruption can lose)")  # fmt: skip
+    parser.add_argument(
+        "--shard-size", type=int, default=256, help="conversations per shard (the most work an interruption can lose)"
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="conversations per target forward")
-    parser.add_argument("--layer-ids", default=None, help="three comma-separated output_hidden_states indices "
-                        "(default 2,L//2,L-3)")  # fmt: skip
+    parser.add_argument(
+        "--layer-ids", default=None, help="three comma-separated output_hidden_states indices (default 2,L//2,L-3)"
+    )
     parser.add_argument("--storage-dtype", default="bfloat16", choices=DTYPES, help="dtype on disk")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the target runs in")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, ...; under torchrun each process takes its local "
-                        "device (cuda:LOCAL_RANK)")  # fmt: skip
-    parser.add_argument("--device-map", default=None, help='"auto": spread the target over the devices of the '
-                        "machine (accelerate big-model inference), for targets one device cannot hold")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda, ...; under torchrun each process takes its local device (cuda:LOCAL_RANK)",
+    )
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help='"auto": spread the target over the devices of the '
+        "machine (accelerate big-model inference), for targets one device cannot hold",
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -44,12 +69,12 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-length must be >= 3 (the draft predicts tokens two ahead), got {args.max_length}.")
     import torch
 
-    from eagle3_hf.utils.precision import emulated_bf16_warning
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
-    from eagle3_hf.training.tokenise import tokenise_data
-    from eagle3_hf.training.features import precompute_features
     from eagle3_hf.training.distributed import check_device_map, init_distributed_from_launcher, process_device
+    from eagle3_hf.training.features import precompute_features
     from eagle3_hf.training.split import split_filter
+    from eagle3_hf.training.tokenise import tokenise_data
+    from eagle3_hf.utils.precision import emulated_bf16_warning
 
     check_device(args.device)
     if warning := emulated_bf16_warning(args.dtype, args.device):
@@ -59,19 +84,29 @@ def run_cli(args: argparse.Namespace) -> int:
         try:
             layer_ids = [int(i) for i in args.layer_ids.split(",")]
         except ValueError:
-            raise ValueError(
-                f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}."
-            ) from None
+            raise ValueError(f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}.") from None
     select = split_filter(args.split, args.held_out_fraction)
     tokenizer = load_tokenizer(args.target)
-    dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations, select,
-                               enable_thinking=args.enable_thinking)  # fmt: skip
+    dataset, _ = tokenise_data(
+        tokenizer, args.data, args.max_length, args.max_conversations, select, enable_thinking=args.enable_thinking
+    )
     init_distributed_from_launcher()  # under torchrun / accelerate launch each process writes its share of shards
-    target = load_target(args.target, dtype=getattr(torch, args.dtype), device=process_device(args.device),
-                         device_map=check_device_map(args.device_map))  # fmt: skip
+    target = load_target(
+        args.target,
+        dtype=getattr(torch, args.dtype),
+        device=process_device(args.device),
+        device_map=check_device_map(args.device_map),
+    )
     shards = precompute_features(
-        target, dataset, args.output, layer_ids=layer_ids, shard_size=args.shard_size, top_k=args.logits_top_k,
-        dtype=getattr(torch, args.storage_dtype), batch_size=args.batch_size, enable_thinking=args.enable_thinking,
-    )  # fmt: skip
+        target,
+        dataset,
+        args.output,
+        layer_ids=layer_ids,
+        shard_size=args.shard_size,
+        top_k=args.logits_top_k,
+        dtype=getattr(torch, args.storage_dtype),
+        batch_size=args.batch_size,
+        enable_thinking=args.enable_thinking,
+    )
     say(f"{len(shards)} shards in {args.output}")
     return 0

@@ -36,27 +36,47 @@ SPREAD_WARNING = 0.20
 
 
 def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument("--target", default="smollm2",
-                        help='target model: "smollm2" (SmolLM2-135M-Instruct, installed with the data packages), a '
-                             "folder, a .gguf file, or a Hub id org/name")  # fmt: skip
-    parser.add_argument("--draft", default=None,
-                        help="draft: a folder, a shipped draft's name or a Hub id (default: the draft shipped for the "
-                             "target); \"random\": untrained; \"lookup\": no draft, the context lookup's tree alone "
-                             "(model-free)")  # fmt: skip
-    parser.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
-                        help="graft the context lookup's continuations into the draft's tree (the hybrid tree, the "
-                             "default); --no-context-lookup: the draft's tree alone")  # fmt: skip
-    parser.add_argument("--corpus", default=None, metavar="FILE",
-                        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers, one more lookup "
-                             "source (default: the draft's own corpus.safetensors, if its folder has one)")  # fmt: skip
+    parser.add_argument(
+        "--target",
+        default="smollm2",
+        help='target model: "smollm2" (SmolLM2-135M-Instruct, installed with the data packages), a '
+        "folder, a .gguf file, or a Hub id org/name",
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft: a folder, a shipped draft's name or a Hub id (default: the draft shipped for the "
+        'target); "random": untrained; "lookup": no draft, the context lookup\'s tree alone '
+        "(model-free)",
+    )
+    parser.add_argument(
+        "--context-lookup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="graft the context lookup's continuations into the draft's tree (the hybrid tree, the "
+        "default); --no-context-lookup: the draft's tree alone",
+    )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        metavar="FILE",
+        help="corpus index (`eagle3-hf corpus`) of the target's earlier answers, one more lookup "
+        "source (default: the draft's own corpus.safetensors, if its folder has one)",
+    )
     parser.add_argument("--no-corpus", action="store_true", help="no corpus, not even the draft's own")
     parser.add_argument("--prompt", default=None, help="the prompt (default: the built-in ones, a list and code)")
-    parser.add_argument("--max-new-tokens", type=int, default=128,
-                        help="most new tokens of the streamed answer (an answer cut there is said to be)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed repeats of each method, taken in turn after the streamed answer")
-    parser.add_argument("--repeat-tokens", type=int, default=32,
-                        help="new tokens per timed repeat (at most --max-new-tokens)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="most new tokens of the streamed answer (an answer cut there is said to be)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats of each method, taken in turn after the streamed answer"
+    )
+    parser.add_argument(
+        "--repeat-tokens", type=int, default=32, help="new tokens per timed repeat (at most --max-new-tokens)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     add_precision_arguments(parser)
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
@@ -90,7 +110,8 @@ def _loading_line(args: Any) -> str:
         draft = f"its shipped draft {SHIPPED_DRAFTS[args.target.lower()]}"
     else:
         draft = {RANDOM_DRAFT: "an untrained draft", LOOKUP_DRAFT: "no draft (the context lookup alone)"}.get(
-            args.draft, f"the draft {args.draft}")  # fmt: skip
+            args.draft, f"the draft {args.draft}"
+        )
     return f"Loading {describe_target(args.target)} and {draft} ..."
 
 
@@ -105,9 +126,11 @@ def busy_warning(threads: int, load: float | None = None) -> str | None:
     if load <= threads:
         return None
     fewer = ", or give it --threads 1" if threads > 1 else ""  # threads that wait for each other slow every step
-    return (f"warning: the load average over the last minute is {load:.2f}, above the {threads} thread(s) this run "
-            "uses: another job is using the CPU, so the timings below are slower and vary more than on an idle "
-            f"machine; rerun when it is idle{fewer}.")  # fmt: skip
+    return (
+        f"warning: the load average over the last minute is {load:.2f}, above the {threads} thread(s) this run "
+        "uses: another job is using the CPU, so the timings below are slower and vary more than on an idle "
+        f"machine; rerun when it is idle{fewer}."
+    )
 
 
 def run_cli(args: Any) -> int:
@@ -150,16 +173,22 @@ def run_cli(args: Any) -> int:
                 print()
             print(f">>> {prompt}")
         ids = apply_chat_template(
-            tokenizer, [{"role": "user", "content": prompt}], enable_thinking=args.enable_thinking,
-            add_generation_prompt=True, return_tensors="pt", return_dict=True,
+            tokenizer,
+            [{"role": "user", "content": prompt}],
+            enable_thinking=args.enable_thinking,
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
         )["input_ids"].to(target.device)
-        _run_prompt(target, draft, tokenizer, ids, dict(kwargs, attention_mask=torch.ones_like(ids)), args, dtype,
-                    setup)  # fmt: skip
+        _run_prompt(
+            target, draft, tokenizer, ids, dict(kwargs, attention_mask=torch.ones_like(ids)), args, dtype, setup
+        )
     return 0
 
 
-def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[str, Any], args: Any, dtype: Any,
-                setup: str) -> None:  # fmt: skip
+def _run_prompt(
+    target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[str, Any], args: Any, dtype: Any, setup: str
+) -> None:
     """Stream EAGLE-3's answer and say what it did (tau, drafted share, against plain), then time both methods."""
     from transformers import TextStreamer
 
@@ -177,12 +206,16 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     cycles = len(out.accept_lengths)
     drafted = [a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1]
     tau = sum(drafted) / len(drafted) if drafted else 0.0
-    print(f"\n{method}: {new.numel()} tokens; tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted "
-          f"({len(drafted) / max(cycles, 1):.0%})")  # fmt: skip
+    print(
+        f"\n{method}: {new.numel()} tokens; tau {tau:.2f} over the {len(drafted)} of {cycles} cycles that drafted "
+        f"({len(drafted) / max(cycles, 1):.0%})"
+    )
     print(f"verification: {out.verification} ({out.verification_reason})")
     if out.accepted_from_lookup or out.accepted_from_corpus or out.accepted_from_both:
-        print(f"accepted tokens from the draft {out.accepted_from_draft}, the context lookup "
-              f"{out.accepted_from_lookup}, the corpus {out.accepted_from_corpus}, several {out.accepted_from_both}")
+        print(
+            f"accepted tokens from the draft {out.accepted_from_draft}, the context lookup "
+            f"{out.accepted_from_lookup}, the corpus {out.accepted_from_corpus}, several {out.accepted_from_both}"
+        )
     if not args.no_compare:  # plain's whole answer, to compare; its first call is also plain's warm-up
         plain_new = type(target).generate(target, ids, **kwargs)[0, ids.shape[1] :]
         agreement = _agreement(plain_new, new, args, dtype, out.verification_reason)
@@ -191,8 +224,10 @@ def _run_prompt(target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[
     calls = {method: lambda: target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=n))}
     if not args.no_compare:  # type(target).generate: the model's own, which bind() does not route to EAGLE-3
         calls["plain"] = lambda: type(target).generate(target, ids, **dict(kwargs, max_new_tokens=n))
-    print(f"timed ({setup}): {args.repeats} repeat(s) of {n} new tokens, the methods in turn; median, and spread = "
-          "(max - min) / median")  # fmt: skip
+    print(
+        f"timed ({setup}): {args.repeats} repeat(s) of {n} new tokens, the methods in turn; median, and spread = "
+        "(max - min) / median"
+    )
     _report_rates(time_in_turn(calls, args.repeats, ids.shape[1]), method)
 
 
@@ -209,9 +244,13 @@ def _report_rates(rates: dict[str, list[float]], method: str) -> None:
         print(f"  speedup  {statistics.median(ratios):6.2f}x      (spread {spreads['speedup']:.0%})")
     noisy = {name: s for name, s in spreads.items() if s > SPREAD_WARNING}
     if noisy:
-        print(f"warning: the timed repeats spread by {', '.join(f'{s:.0%} ({m})' for m, s in noisy.items())}, more "
-              f"than {SPREAD_WARNING:.0%}: something else was using the CPU; rerun when it is idle, or with more "
-              "--repeats.", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: the timed repeats spread by {', '.join(f'{s:.0%} ({m})' for m, s in noisy.items())}, more "
+            f"than {SPREAD_WARNING:.0%}: something else was using the CPU; rerun when it is idle, or with more "
+            "--repeats.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def was_cut(new_tokens: Any, eos_token_id: int | list[int] | None, max_new_tokens: int) -> bool:
@@ -263,8 +302,10 @@ def _agreement(plain_new: Any, new: Any, args: Any, dtype: Any, verification_rea
     if dtype == torch.float32:
         return f"{where}: unexpected for greedy fp32"
     if verification_reason.startswith(PROVEN):
-        return f"{where}: unexpected with row-exact verification that the row-invariance probe proved bit for bit on " \
-               "this CPU"  # fmt: skip
+        return (
+            f"{where}: unexpected with row-exact verification that the row-invariance probe proved bit for bit on "
+            "this CPU"
+        )
     # one tree-masked verify call rounds differently from a one-token step, so a near-tie can flip
     return f"{where} ({short_name(dtype)} rounding; `eagle3-hf bench` reports the fp32 margin at such a point)"
 

@@ -13,9 +13,11 @@ __all__ = ["add_exact_verify_argument", "add_precision_arguments", "exact_verify
 def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
     """The `--dtype`, `--no-prepack` and `--threads` options that the decoding commands share."""
     parser.add_argument(
-        "--dtype", default="auto", choices=DTYPE_CHOICES,
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
         help=f"precision of {what}; auto: bf16 where the hardware has native bf16 matmul, else fp32",
-    )  # fmt: skip
+    )
     parser.add_argument("--no-prepack", action="store_true", help="keep bf16 CPU weights unpacked (see PackedLinear)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -23,13 +25,20 @@ def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
 def add_exact_verify_argument(parser: Any) -> None:
     """`--exact-verify {auto,on,off}` (and its old spelling `--no-exact-verify`), shared by `generate` and `bench`."""
     parser.add_argument(
-        "--exact-verify", choices=("auto", "on", "off"), default="auto",
+        "--exact-verify",
+        choices=("auto", "on", "off"),
+        default="auto",
         help="row-exact tree verification (bf16 output token-identical to plain decoding where the hardware's "
         "kernels allow it): auto runs it where the row-invariance probe proves it bit for bit on this CPU and verifies "
         "in one tree-masked call elsewhere; on / off force it (default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument("--no-exact-verify", dest="exact_verify", action="store_const", const="off",
-                        help="the same as --exact-verify off")  # fmt: skip
+    )
+    parser.add_argument(
+        "--no-exact-verify",
+        dest="exact_verify",
+        action="store_const",
+        const="off",
+        help="the same as --exact-verify off",
+    )
 
 
 def exact_verify_setting(args: Any) -> bool | str:

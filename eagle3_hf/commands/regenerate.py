@@ -15,25 +15,36 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-conversations", type=int, default=0, help="skip this many conversations first")
     parser.add_argument("--max-rounds", type=int, default=None, help="keep only the first N user turns of each")
     parser.add_argument(
-        "--dedupe", action=argparse.BooleanOptionalAction, default=True,
+        "--dedupe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="answer each distinct sequence of prompts once: drop conversations whose prompts repeat an earlier "
         "one's or open a longer one's (after --max-rounds)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--exclude-prompts", nargs="+", default=[], metavar="FILE",
+        "--exclude-prompts",
+        nargs="+",
+        default=[],
+        metavar="FILE",
         help="evaluation prompts to keep out of the answers: MT-bench question.jsonl files or conversation files; "
         "a conversation with a user turn equal to one of them (case and whitespace aside) is dropped",
-    )  # fmt: skip
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="prompts answered together")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="most new tokens of each answer")
-    parser.add_argument("--max-prompt-length", type=int, default=2048,
-                        help="a conversation stops at the first turn whose prompt is longer (tokens)")  # fmt: skip
-    parser.add_argument("--shard-size", type=int, default=256,
-                        help="conversations per shard (the most work an interruption can lose)")  # fmt: skip
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        default=2048,
+        help="a conversation stops at the first turn whose prompt is longer (tokens)",
+    )
+    parser.add_argument(
+        "--shard-size", type=int, default=256, help="conversations per shard (the most work an interruption can lose)"
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample answers instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --do-sample)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="dtype the target runs in")  # fmt: skip
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype the target runs in"
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
     add_thinking_argument(parser)
@@ -45,10 +56,14 @@ def run_cli(args: argparse.Namespace) -> int:
     from eagle3_hf.targets import check_device, load_target, load_tokenizer
     from eagle3_hf.training.manifest import check_manifest
     from eagle3_hf.training.prompt_selection import dedupe_prompts, exclude_prompts, read_evaluation_prompts
-    from eagle3_hf.utils.precision import emulated_bf16_warning
     from eagle3_hf.training.regenerate import (
-        MANIFEST_NAME, data_fingerprint, regenerate_manifest, regenerate_responses, select_conversations,
-    )  # fmt: skip
+        MANIFEST_NAME,
+        data_fingerprint,
+        regenerate_manifest,
+        regenerate_responses,
+        select_conversations,
+    )
+    from eagle3_hf.utils.precision import emulated_bf16_warning
 
     check_device(args.device)
     if warning := emulated_bf16_warning(args.dtype, args.device):
@@ -62,15 +77,31 @@ def run_cli(args: argparse.Namespace) -> int:
         say(f"left out {dropped} conversations whose prompts another one asks already")
     # The data set is known by its first conversation, whatever --skip-conversations leaves out.
     fingerprint = data_fingerprint(select_conversations(args.data, 0, 1, args.max_rounds), args.max_rounds)
-    manifest = regenerate_manifest(fingerprint, args.max_new_tokens, args.do_sample, args.temperature,
-                                   args.max_prompt_length, args.seed, args.enable_thinking)  # fmt: skip
+    manifest = regenerate_manifest(
+        fingerprint,
+        args.max_new_tokens,
+        args.do_sample,
+        args.temperature,
+        args.max_prompt_length,
+        args.seed,
+        args.enable_thinking,
+    )
     check_manifest(args.output, MANIFEST_NAME, manifest, "answers")  # before the target is loaded
     model = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     tokenizer = load_tokenizer(args.target)
     shards = regenerate_responses(
-        model, tokenizer, conversations, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample, temperature=args.temperature, shard_size=args.shard_size,
-        max_prompt_length=args.max_prompt_length, seed=args.seed, fingerprint=fingerprint,
+        model,
+        tokenizer,
+        conversations,
+        args.output,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        shard_size=args.shard_size,
+        max_prompt_length=args.max_prompt_length,
+        seed=args.seed,
+        fingerprint=fingerprint,
         enable_thinking=args.enable_thinking,
     )
     say(f"{len(shards)} shards in {args.output}")

@@ -22,10 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from eagle3_hf.commands import (
-    THINKING_HELP, OneLineErrors, ShowDefaults, apply_config, load_config_file, say, split_config,
-)  # fmt: skip
-from eagle3_hf.commands.train_draft import build_draft
+    THINKING_HELP,
+    OneLineErrors,
+    ShowDefaults,
+    apply_config,
+    load_config_file,
+    say,
+    split_config,
+)
 from eagle3_hf.commands.train_checks import ARCHITECTURE_FLAGS, check_train_arguments, resume_checkpoint
+from eagle3_hf.commands.train_draft import build_draft
 from eagle3_hf.commands.vocab import draft_vocab_size_arg
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE, Eagle3TrainingOptions
 
@@ -40,9 +46,11 @@ class TrainCommandArguments:
     target: str = field(metadata={"help": "target model: 'smollm2', a folder, a .gguf file, or a Hub id org/name"})
     data: list[str] | None = field(
         default=None,
-        metadata={"help": "conversations (online features): JSON, JSONL, .jsonl.gz or parquet files, folders of "
-                          "them, or Hub dataset ids; ShareGPT, messages or Alpaca records; several are joined"},
-    )  # fmt: skip
+        metadata={
+            "help": "conversations (online features): JSON, JSONL, .jsonl.gz or parquet files, folders of "
+            "them, or Hub dataset ids; ShareGPT, messages or Alpaca records; several are joined"
+        },
+    )
     features: list[str] | None = field(
         default=None, metadata={"help": "folders written by `eagle3-hf features` (offline); several are joined"}
     )
@@ -53,9 +61,11 @@ class TrainCommandArguments:
     )
     init_draft: str | None = field(
         default=None,
-        metadata={"help": "continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
-                          "vocabulary, shared tokens keeping their head rows, new ones starting at zero)"},
-    )  # fmt: skip
+        metadata={
+            "help": "continue training this saved draft (with --draft-vocab-size/--vocab: remapped to that "
+            "vocabulary, shared tokens keeping their head rows, new ones starting at zero)"
+        },
+    )
     vocab: str | None = field(
         default=None, metadata={"help": "draft vocabulary file written by `eagle3-hf vocab` (fresh drafts)"}
     )
@@ -64,50 +74,68 @@ class TrainCommandArguments:
     )
     held_out_fraction: float = field(
         default=DEFAULT_HELD_OUT_FRACTION,
-        metadata={"help": "share of conversations (by id hash) held out from training: they measure the vocabulary's "
-                          "coverage and are the evaluation set of --eval-steps"},
-    )  # fmt: skip
+        metadata={
+            "help": "share of conversations (by id hash) held out from training: they measure the vocabulary's "
+            "coverage and are the evaluation set of --eval-steps"
+        },
+    )
     eval_features: list[str] | None = field(
         default=None,
-        metadata={"help": "offline features of held-out conversations (`eagle3-hf features --split held-out`), "
-                          "evaluated every --eval-steps"},
-    )  # fmt: skip
+        metadata={
+            "help": "offline features of held-out conversations (`eagle3-hf features --split held-out`), "
+            "evaluated every --eval-steps"
+        },
+    )
     num_hidden_layers: int | None = field(
         default=None,
-        metadata={"help": "the draft's own decoder layers (not the target's): a fresh draft's depth (default 1, "
-                          "EAGLE-3's); with --init-draft, a larger value grows it by layers that start as the "
-                          "identity (default: keep its depth)"},
-    )  # fmt: skip
+        metadata={
+            "help": "the draft's own decoder layers (not the target's): a fresh draft's depth (default 1, "
+            "EAGLE-3's); with --init-draft, a larger value grows it by layers that start as the "
+            "identity (default: keep its depth)"
+        },
+    )
     init_from_target: bool = field(
-        default=True, metadata={"help": "start a fresh draft's head from the target's head rows and final norm "
-                                        "(--no-init-from-target: random)"},
-    )  # fmt: skip
+        default=True,
+        metadata={
+            "help": "start a fresh draft's head from the target's head rows and final norm "
+            "(--no-init-from-target: random)"
+        },
+    )
     init_layer_from_target: bool = field(
         default=False,
         metadata={"help": "also copy the target's last decoder layer's MLP, o_proj and norms into a fresh draft"},
     )
     target_layer_ids: str | None = field(
         default=None,
-        metadata={"help": "three comma-separated output_hidden_states ids to tap (low,mid,high; default "
-                          "2,L//2,L-3), e.g. the same id three times for a top-layer-only ablation"},
-    )  # fmt: skip
+        metadata={
+            "help": "three comma-separated output_hidden_states ids to tap (low,mid,high; default "
+            "2,L//2,L-3), e.g. the same id three times for a top-layer-only ablation"
+        },
+    )
     fc_norm: bool | None = field(
         default=None,
-        metadata={"help": "EAGLE-3.1: an RMSNorm on each target tap before fc (a fresh draft; with --init-draft or "
-                          "--resume it may only restate the draft's)"},
-    )  # fmt: skip
+        metadata={
+            "help": "EAGLE-3.1: an RMSNorm on each target tap before fc (a fresh draft; with --init-draft or "
+            "--resume it may only restate the draft's)"
+        },
+    )
     norm_output: bool | None = field(
         default=None,
-        metadata={"help": "EAGLE-3.1: feed the post-norm state to the next drafting step, in TTT and decoding (with "
-                          "--init-draft: also how an official/SpecForge checkpoint's norm_output: true is read)"},
-    )  # fmt: skip
+        metadata={
+            "help": "EAGLE-3.1: feed the post-norm state to the next drafting step, in TTT and decoding (with "
+            "--init-draft: also how an official/SpecForge checkpoint's norm_output: true is read)"
+        },
+    )
     norm_before_fc: bool | None = field(
         default=None, metadata={"help": "one RMSNorm over the concatenated taps before fc (gpt-oss-style drafts)"}
     )
     target_id: str | None = field(
-        default=None, metadata={"help": "the target's Hub id org/name, recorded in the draft and its model card "
-                                        "(known without it for short names and Hub ids)"},
-    )  # fmt: skip
+        default=None,
+        metadata={
+            "help": "the target's Hub id org/name, recorded in the draft and its model card "
+            "(known without it for short names and Hub ids)"
+        },
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "target dtype and mixed precision of the draft (master weights fp32)"}
     )
@@ -119,18 +147,41 @@ class TrainCommandArguments:
 
 # The recipe's defaults where they differ from TrainingArguments' (SpecForge's: cosine, warmup 1.5%, clip 0.5).
 TRAIN_DEFAULTS: dict[str, Any] = {
-    "learning_rate": 1e-4, "warmup_steps": 0.015, "lr_scheduler_type": "cosine", "adam_beta2": 0.95,
-    "max_grad_norm": 0.5, "weight_decay": 0.0, "per_device_train_batch_size": 1, "save_steps": 500,
-    "save_total_limit": 2, "logging_steps": 10, "seed": 0, "report_to": "none", "per_device_eval_batch_size": 1,
-}  # fmt: skip
+    "learning_rate": 1e-4,
+    "warmup_steps": 0.015,
+    "lr_scheduler_type": "cosine",
+    "adam_beta2": 0.95,
+    "max_grad_norm": 0.5,
+    "weight_decay": 0.0,
+    "per_device_train_batch_size": 1,
+    "save_steps": 500,
+    "save_total_limit": 2,
+    "logging_steps": 10,
+    "seed": 0,
+    "report_to": "none",
+    "per_device_eval_batch_size": 1,
+}
 # Older flag names -> the TrainingArguments field they set.
 ALIASES = {"--output": "output_dir", "--batch-size": "per_device_train_batch_size", "--warmup-ratio": "warmup_steps"}
 _ALIAS_TYPES = {"output_dir": str, "per_device_train_batch_size": int, "warmup_steps": float}
 _TRAINING_ARGUMENTS_SHOWN = (
-    "--output-dir", "--max-steps", "--num-train-epochs", "--learning-rate", "--per-device-train-batch-size",
-    "--gradient-accumulation-steps", "--save-steps", "--save-total-limit", "--logging-steps", "--eval-strategy",
-    "--eval-steps", "--report-to", "--push-to-hub", "--hub-model-id", "--gradient-checkpointing", "--seed",
-)  # fmt: skip
+    "--output-dir",
+    "--max-steps",
+    "--num-train-epochs",
+    "--learning-rate",
+    "--per-device-train-batch-size",
+    "--gradient-accumulation-steps",
+    "--save-steps",
+    "--save-total-limit",
+    "--logging-steps",
+    "--eval-strategy",
+    "--eval-steps",
+    "--report-to",
+    "--push-to-hub",
+    "--hub-model-id",
+    "--gradient-checkpointing",
+    "--seed",
+)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -158,16 +209,20 @@ def _add_fields(group: Any, cls: type) -> None:
 def quick_help() -> str:
     """`eagle3-hf train --help`: our options and the EAGLE-3 ones, without importing transformers."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description=DESCRIPTION, formatter_class=ShowDefaults,
+        prog=PROG,
+        description=DESCRIPTION,
+        formatter_class=ShowDefaults,
         usage=f"{PROG} --target TARGET (--data SRC [SRC ...] | --features DIR [DIR ...]) --output-dir DIR "
-              "[options] [any TrainingArguments option]",
+        "[options] [any TrainingArguments option]",
         epilog="Every transformers TrainingArguments field is an option as well ("
-               + ", ".join(_TRAINING_ARGUMENTS_SHOWN) + ", ...): `eagle3-hf train --help-all` lists them all (it "
-               "imports transformers, a few seconds). Defaults that differ from TrainingArguments': "
-               + ", ".join(f"{k}={v}" for k, v in TRAIN_DEFAULTS.items()) + ". Aliases: "
-               + ", ".join(f"{a} = --{d.replace('_', '-')}" for a, d in ALIASES.items())
-               + ". --config FILE (JSON or YAML) may hold any option, required ones included; flags given here win.",
-    )  # fmt: skip
+        + ", ".join(_TRAINING_ARGUMENTS_SHOWN)
+        + ", ...): `eagle3-hf train --help-all` lists them all (it "
+        "imports transformers, a few seconds). Defaults that differ from TrainingArguments': "
+        + ", ".join(f"{k}={v}" for k, v in TRAIN_DEFAULTS.items())
+        + ". Aliases: "
+        + ", ".join(f"{a} = --{d.replace('_', '-')}" for a, d in ALIASES.items())
+        + ". --config FILE (JSON or YAML) may hold any option, required ones included; flags given here win.",
+    )
     ours = parser.add_argument_group("eagle3-hf train options")
     _add_fields(ours, TrainCommandArguments)
     _add_no_thinking(ours)
@@ -188,8 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser([Eagle3TrainingArguments, TrainCommandArguments], prog=PROG, description=DESCRIPTION)
     for alias, dest in ALIASES.items():
-        parser.add_argument(alias, dest=dest, type=_ALIAS_TYPES[dest], default=argparse.SUPPRESS,
-                            help=f"alias of --{dest.replace('_', '-')}")  # fmt: skip
+        parser.add_argument(
+            alias,
+            dest=dest,
+            type=_ALIAS_TYPES[dest],
+            default=argparse.SUPPRESS,
+            help=f"alias of --{dest.replace('_', '-')}",
+        )
     parser.add_argument("--config", help="JSON/YAML file of option values (flags given here win)")
     parser.set_defaults(**TRAIN_DEFAULTS)
     _action(parser, "draft_vocab_size").type = draft_vocab_size_arg  # a size, or "auto" (chosen by coverage)
@@ -203,8 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_no_thinking(parser: Any) -> None:
     """`--no-enable-thinking`, as the other commands have it (argparse.BooleanOptionalAction); `--enable-thinking`
     comes from the dataclass field, so that a --config file may hold it too."""
-    parser.add_argument("--no-enable-thinking", dest="enable_thinking", action="store_const", const=False,
-                        default=argparse.SUPPRESS, help="the same as --enable-thinking false")  # fmt: skip
+    parser.add_argument(
+        "--no-enable-thinking",
+        dest="enable_thinking",
+        action="store_const",
+        const=False,
+        default=argparse.SUPPRESS,
+        help="the same as --enable-thinking false",
+    )
 
 
 def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
@@ -241,8 +307,10 @@ def _training_arguments(args: argparse.Namespace, offline: bool) -> Any:
     if values.get("eval_steps") and values["eval_strategy"] in ("no", None):
         values["eval_strategy"] = "steps"  # --eval-steps N alone: evaluate every N steps
     if values.get("metric_for_best_model") and values["eval_strategy"] in ("no", None):
-        raise ValueError(f"--metric-for-best-model {values['metric_for_best_model']} selects checkpoints by their "
-                         "evaluation: add --eval-steps N (held-out conversations, or --eval-features).")  # fmt: skip
+        raise ValueError(
+            f"--metric-for-best-model {values['metric_for_best_model']} selects checkpoints by their "
+            "evaluation: add --eval-steps N (held-out conversations, or --eval-features)."
+        )
     values["bf16"] = values["bf16"] or args.dtype == "bfloat16"
     values["fp16"] = values["fp16"] or args.dtype == "float16"
     if not torch.cuda.is_available():
@@ -266,9 +334,9 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
     training ones and measures coverage on the held-out ones (given the training part only, it fell back to
     training coverage)."""
     from eagle3_hf.targets import load_tokenizer
-    from eagle3_hf.training.tokenise import tokenise_data
     from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
     from eagle3_hf.training.split import split_held_out
+    from eagle3_hf.training.tokenise import tokenise_data
 
     evaluate = training_args.eval_strategy != "no"
     if offline:
@@ -277,7 +345,11 @@ def _data(args: argparse.Namespace, training_args: Any, offline: bool) -> tuple[
         return dataset, OfflineFeatureDataset(args.eval_features) if args.eval_features else None, dataset
     tokenizer = load_tokenizer(args.target)
     everything, _ = tokenise_data(
-        tokenizer, args.data, training_args.max_length, args.max_conversations, num_proc=args.tokenize_num_proc,
+        tokenizer,
+        args.data,
+        training_args.max_length,
+        args.max_conversations,
+        num_proc=args.tokenize_num_proc,
         enable_thinking=args.enable_thinking,
     )
     dataset, held_out = split_held_out(everything, args.held_out_fraction)
@@ -294,8 +366,10 @@ def _thinking_info(args: argparse.Namespace, dataset: Any, offline: bool) -> dic
         return {"enable_thinking": args.enable_thinking}
     settings = {m.get("enable_thinking") for m in dataset.manifests}
     if len(settings) > 1:
-        say(f"Warning: the --features folders were rendered with different thinking settings "
-            f"({', '.join(map(str, settings))}); the draft records none.")  # fmt: skip
+        say(
+            f"Warning: the --features folders were rendered with different thinking settings "
+            f"({', '.join(map(str, settings))}); the draft records none."
+        )
     if len(settings) == 1 and all("enable_thinking" in m for m in dataset.manifests):
         return {"enable_thinking": settings.pop()}
     return {}
@@ -309,12 +383,12 @@ def run_cli(args: argparse.Namespace) -> int:
     import torch
     from transformers.trainer_utils import set_seed
 
-    from eagle3_hf.utils.precision import emulated_bf16_warning
     from eagle3_hf.targets import load_target, resolve_target
+    from eagle3_hf.training.checkpointing import RemoveCheckpointsOnTrainBegin
     from eagle3_hf.training.data_files import is_dataset_id
     from eagle3_hf.training.distributed import check_fsdp_loading, init_distributed_from_launcher
-    from eagle3_hf.training.checkpointing import RemoveCheckpointsOnTrainBegin
     from eagle3_hf.training.trainer import Eagle3Trainer
+    from eagle3_hf.utils.precision import emulated_bf16_warning
 
     if warning := emulated_bf16_warning(args.dtype, "cuda" if torch.cuda.is_available() else "cpu"):
         say(f"Warning: {warning}")
@@ -326,8 +400,9 @@ def run_cli(args: argparse.Namespace) -> int:
     # Under FSDP (--fsdp, or an accelerate FSDP config) each process loads only its shard of the target.
     fsdp = bool(training_args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     check_fsdp_loading()
-    target = load_target(args.target, dtype=getattr(torch, args.dtype),
-                         shard=fsdp and init_distributed_from_launcher()[1] > 1)  # fmt: skip
+    target = load_target(
+        args.target, dtype=getattr(torch, args.dtype), shard=fsdp and init_distributed_from_launcher()[1] > 1
+    )
     if args.target_id:
         target.config._name_or_path = args.target_id
     draft = build_draft(args, target, vocab_rows, checkpoint)
@@ -344,8 +419,14 @@ def run_cli(args: argparse.Namespace) -> int:
     output_dir = training_args.output_dir
     # The earlier run's checkpoints go once training has begun, so that a mistake found before then deletes nothing.
     callbacks = [RemoveCheckpointsOnTrainBegin(output_dir, say)] if args.overwrite_output_dir else []
-    trainer = Eagle3Trainer(draft, training_args, target=None if offline else target, train_dataset=dataset,
-                            eval_dataset=eval_dataset, callbacks=callbacks)  # fmt: skip
+    trainer = Eagle3Trainer(
+        draft,
+        training_args,
+        target=None if offline else target,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        callbacks=callbacks,
+    )
     trainer.train(resume_from_checkpoint=checkpoint)
     draft.training_info["steps"] = before + trainer.state.global_step
     _save_final(trainer, output_dir)

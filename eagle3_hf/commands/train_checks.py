@@ -18,9 +18,13 @@ from eagle3_hf.commands import is_main_process, say
 from eagle3_hf.utils.hub import is_hub_id
 
 __all__ = [
-    "ARCHITECTURE_FLAGS", "SHAPE_OPTIONS", "check_train_arguments", "parse_layer_ids", "read_checkpoint_config",
+    "ARCHITECTURE_FLAGS",
+    "SHAPE_OPTIONS",
+    "check_train_arguments",
+    "parse_layer_ids",
+    "read_checkpoint_config",
     "resume_checkpoint",
-]  # fmt: skip
+]
 
 # What a finished run leaves at the top of its output folder.
 FINISHED_DRAFT_NAMES = ("model.safetensors", "adapter_model.safetensors")
@@ -29,9 +33,11 @@ ARCHITECTURE_FLAGS = ("fc_norm", "norm_output", "norm_before_fc")
 # The options that shape the draft, by the config.json field each sets: `--resume` takes the checkpoint's, and refuses
 # one given otherwise.
 SHAPE_OPTIONS = {
-    "draft_vocab_size": "--draft-vocab-size", "num_hidden_layers": "--num-hidden-layers",
-    "target_layer_ids": "--target-layer-ids", **{flag: "--" + flag.replace("_", "-") for flag in ARCHITECTURE_FLAGS},
-}  # fmt: skip
+    "draft_vocab_size": "--draft-vocab-size",
+    "num_hidden_layers": "--num-hidden-layers",
+    "target_layer_ids": "--target-layer-ids",
+    **{flag: "--" + flag.replace("_", "-") for flag in ARCHITECTURE_FLAGS},
+}
 
 
 def parse_layer_ids(text: str | list[int] | None) -> list[int] | None:
@@ -56,23 +62,29 @@ def check_train_arguments(args: argparse.Namespace) -> None:
     if not args.output_dir:
         raise ValueError("--output-dir (or --output) is required: the folder for checkpoints and the draft.")
     if args.max_steps == 0 or args.max_steps < -1:
-        raise ValueError(f"--max-steps must be a positive number of steps (or -1 to train --num-train-epochs "
-                         f"epochs), got {args.max_steps}.")  # fmt: skip
+        raise ValueError(
+            f"--max-steps must be a positive number of steps (or -1 to train --num-train-epochs "
+            f"epochs), got {args.max_steps}."
+        )
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise ValueError(f"--num-train-epochs must be > 0 when --max-steps is not given, got {args.num_train_epochs}.")
     if not math.isfinite(args.learning_rate) or args.learning_rate < 0:
         raise ValueError(f"--learning-rate must be a finite number >= 0, got {args.learning_rate}.")
     if args.features is not None and getattr(args, "enable_thinking", None) is not None:
         flag = "--enable-thinking" if args.enable_thinking else "--no-enable-thinking"
-        raise ValueError(f"{flag} sets how train renders --data conversations; offline --features were rendered by "
-                         f"`eagle3-hf features` (its features.json records how): give {flag} there.")  # fmt: skip
+        raise ValueError(
+            f"{flag} sets how train renders --data conversations; offline --features were rendered by "
+            f"`eagle3-hf features` (its features.json records how): give {flag} there."
+        )
     if args.tokenize_num_proc is not None and args.tokenize_num_proc < 1:
         raise ValueError(f"--tokenize-num-proc must be >= 1 (processes), got {args.tokenize_num_proc}.")
     if args.save_total_limit is not None and args.save_total_limit < 0:
         raise ValueError(f"--save-total-limit must be >= 0 (0 keeps every checkpoint), got {args.save_total_limit}.")
     if args.warmup_steps < 0 or (args.warmup_steps >= 1 and args.warmup_steps != int(args.warmup_steps)):
-        raise ValueError(f"--warmup-steps (--warmup-ratio) must be a share of the steps in [0, 1) or a whole number "
-                         f"of steps, got {args.warmup_steps}.")  # fmt: skip
+        raise ValueError(
+            f"--warmup-steps (--warmup-ratio) must be a share of the steps in [0, 1) or a whole number "
+            f"of steps, got {args.warmup_steps}."
+        )
     if args.resume and args.overwrite_output_dir:
         raise ValueError("--resume continues the run in --output-dir, --overwrite-output-dir starts afresh: pick one.")
     if args.eval_steps and args.features is not None and not args.eval_features:
@@ -120,9 +132,11 @@ def resume_checkpoint(args: argparse.Namespace) -> str | None:
         if saved is None:
             continue
         if given not in (None, "auto") and given != saved:
-            raise ValueError(f"--resume: {checkpoint} holds a draft with {key}={saved}, but {option} is "
-                             f"{_as_given(given)}; leave {option} out to continue that run (its config.json is the "
-                             "run's), or train a new one in another --output-dir.")  # fmt: skip
+            raise ValueError(
+                f"--resume: {checkpoint} holds a draft with {key}={saved}, but {option} is "
+                f"{_as_given(given)}; leave {option} out to continue that run (its config.json is the "
+                "run's), or train a new one in another --output-dir."
+            )
         setattr(args, key, saved)  # left out (or "auto"): the checkpoint's own
     say(f"Resuming from {checkpoint}.")
     return checkpoint

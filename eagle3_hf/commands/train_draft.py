@@ -74,20 +74,27 @@ def _continued(args: argparse.Namespace, target: Any, vocab_rows: Any) -> Any:
         given, own = getattr(args, flag), getattr(draft.config, flag)
         if given is not None and given != own:
             option = "--" + flag.replace("_", "-")
-            raise ValueError(f"{option} {str(given).lower()} contradicts --init-draft {args.init_draft}, whose draft "
-                             f"has {flag}={own}: a trained draft keeps its architecture; leave {option} out to "
-                             "continue it, or train a fresh draft.")  # fmt: skip
+            raise ValueError(
+                f"{option} {str(given).lower()} contradicts --init-draft {args.init_draft}, whose draft "
+                f"has {flag}={own}: a trained draft keeps its architecture; leave {option} out to "
+                "continue it, or train a fresh draft."
+            )
     vocab_size = target.config.get_text_config().vocab_size
     if args.vocab or args.draft_vocab_size not in (None, draft.config.draft_vocab_size):
         vocab = fresh_draft_vocab(args, vocab_rows, vocab_size)
-        d2t, t2d = (vocab.d2t, vocab.t2d) if vocab is not None else (
-            torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))  # fmt: skip
+        d2t, t2d = (
+            (vocab.d2t, vocab.t2d)
+            if vocab is not None
+            else (torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool))
+        )
         shared = remap_draft_vocab(draft, d2t, t2d)
         say(f"Remapped the draft to {d2t.numel()} ids: {shared} kept their head rows.")
     depth, own = args.num_hidden_layers, draft.config.num_hidden_layers
     if depth is not None and depth < own:
-        raise ValueError(f"--num-hidden-layers {depth} is below the depth of --init-draft {args.init_draft} "
-                         f"({own} decoder layers): a draft can grow, never shrink.")  # fmt: skip
+        raise ValueError(
+            f"--num-hidden-layers {depth} is below the depth of --init-draft {args.init_draft} "
+            f"({own} decoder layers): a draft can grow, never shrink."
+        )
     if depth is not None and depth > own:
         draft = grow_draft_layers(draft, depth)
         say(f"Grew the draft from {own} to {depth} decoder layers (the new ones start as the identity).")
@@ -143,10 +150,14 @@ def fresh_draft_vocab(args: argparse.Namespace, dataset: Any, target_vocab_size:
         )
         say(choice.table())
         vocab = choice.vocab
-    say(f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
-        f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens.")  # fmt: skip
+    say(
+        f"Draft vocabulary: {vocab.draft_vocab_size} of {vocab.target_vocab_size} ids, covering "
+        f"{100 * vocab.coverage:.2f}% of the training data's supervised tokens."
+    )
     if vocab.coverage < LOW_COVERAGE:  # most target tokens would be out of the draft's reach: likely a typo
-        say(f"Warning: --draft-vocab-size {vocab.draft_vocab_size} covers under {LOW_COVERAGE:.0%} of the supervised "
+        say(
+            f"Warning: --draft-vocab-size {vocab.draft_vocab_size} covers under {LOW_COVERAGE:.0%} of the supervised "
             "tokens, so the draft can propose few of the target's tokens; --draft-vocab-size auto picks one by "
-            "coverage.")  # fmt: skip
+            "coverage."
+        )
     return vocab

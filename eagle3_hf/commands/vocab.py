@@ -29,24 +29,39 @@ def draft_vocab_size_arg(value: str) -> int | str:
 def add_vocab_size_arguments(parser: argparse.ArgumentParser, default: int | str | None) -> None:
     """``--draft-vocab-size``, ``--min-coverage`` and ``--held-out-fraction``."""
     parser.add_argument(
-        "--draft-vocab-size", type=draft_vocab_size_arg, default=default,
+        "--draft-vocab-size",
+        type=draft_vocab_size_arg,
+        default=default,
         help="draft head size, or 'auto': the smallest of 4096/8192/16384/32768 whose held-out coverage of the "
-             "target's tokens reaches --min-coverage",
-    )  # fmt: skip
-    parser.add_argument("--min-coverage", type=float, default=DEFAULT_MIN_COVERAGE,
-                        help="held-out coverage --draft-vocab-size auto must reach")  # fmt: skip
-    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION,
-                        help="share of conversations (by id hash) held out to measure coverage")  # fmt: skip
+        "target's tokens reaches --min-coverage",
+    )
+    parser.add_argument(
+        "--min-coverage",
+        type=float,
+        default=DEFAULT_MIN_COVERAGE,
+        help="held-out coverage --draft-vocab-size auto must reach",
+    )
+    parser.add_argument(
+        "--held-out-fraction",
+        type=float,
+        default=DEFAULT_HELD_OUT_FRACTION,
+        help="share of conversations (by id hash) held out to measure coverage",
+    )
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help='target (tokenizer and vocabulary): a folder, .gguf, "smollm2"')
-    parser.add_argument("--data", required=True, nargs="+",
-                        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined")
+    parser.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined",
+    )
     parser.add_argument("--output", required=True, help="safetensors file to write (d2t, t2d, counts)")
     add_vocab_size_arguments(parser, default="auto")
-    parser.add_argument("--max-length", type=int, default=2048,
-                        help="tokens per conversation counted (longer: truncated)")  # fmt: skip
+    parser.add_argument(
+        "--max-length", type=int, default=2048, help="tokens per conversation counted (longer: truncated)"
+    )
     add_thinking_argument(parser)
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
     parser.add_argument("--overwrite-output-dir", action="store_true", help="replace an existing --output file")
@@ -63,15 +78,19 @@ def run_cli(args: argparse.Namespace) -> int:
     from eagle3_hf.training.vocab import save_draft_vocab, select_draft_vocab
 
     tokenizer = load_tokenizer(args.target)
-    dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations,
-                                      enable_thinking=args.enable_thinking)  # fmt: skip
+    dataset, _ = tokenise_data(
+        tokenizer, args.data, args.max_length, args.max_conversations, enable_thinking=args.enable_thinking
+    )
     # The model's vocabulary (what t2d must cover) can be larger than the tokenizer's: read it from the config.
     directory, gguf_file = resolve_target(args.target)
     config = AutoConfig.from_pretrained(directory, **({"gguf_file": gguf_file} if gguf_file else {}))
     choice = select_draft_vocab(
-        dataset, config.get_text_config().vocab_size, args.draft_vocab_size, args.min_coverage,
+        dataset,
+        config.get_text_config().vocab_size,
+        args.draft_vocab_size,
+        args.min_coverage,
         args.held_out_fraction,
-    )  # fmt: skip
+    )
     vocab = choice.vocab
     with staged_file(args.output) as temporary:
         save_draft_vocab(temporary, vocab)

@@ -95,8 +95,14 @@ class CorpusIndex:
     Build one with `CorpusIndex.build(answers, vocab_size)` (or `eagle3-hf corpus`), query it per cycle with
     `lookup(context)`, save it with `save` and read it back with `CorpusIndex.load`."""
 
-    def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray, vocab_size: int, depth: int = MATCH_CAP,
-                 metadata: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        suffix_array: np.ndarray,
+        vocab_size: int,
+        depth: int = MATCH_CAP,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
         _check_arrays(tokens, suffix_array, vocab_size, depth)
         self.tokens = tokens
         self.suffix_array = suffix_array
@@ -109,8 +115,13 @@ class CorpusIndex:
         self._starts = np.concatenate(([0], np.cumsum(counts)))  # int64 [vocab_size + 1]
 
     @classmethod
-    def build(cls, documents: Iterable[Sequence[int] | np.ndarray | torch.Tensor], vocab_size: int,
-              depth: int = MATCH_CAP, metadata: dict[str, Any] | None = None) -> CorpusIndex:  # fmt: skip
+    def build(
+        cls,
+        documents: Iterable[Sequence[int] | np.ndarray | torch.Tensor],
+        vocab_size: int,
+        depth: int = MATCH_CAP,
+        metadata: dict[str, Any] | None = None,
+    ) -> CorpusIndex:
         """Index `documents` (each one answer's token ids; empty ones are skipped) over a vocabulary of
         `vocab_size` ids; `depth`: the longest match a query can find. `metadata` (JSON-serialisable) is saved with
         it: where the answers came from, the target and tokenizer they belong to."""
@@ -125,12 +136,15 @@ class CorpusIndex:
             if ids.size == 0:
                 continue
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
-                raise ValueError(f"document {i} must be a 1-D sequence of integer token ids, got an array of dtype "
-                                 f"{ids.dtype} and shape {tuple(ids.shape)}.")  # fmt: skip
+                raise ValueError(
+                    f"document {i} must be a 1-D sequence of integer token ids, got an array of dtype "
+                    f"{ids.dtype} and shape {tuple(ids.shape)}."
+                )
             bad = ids[(ids < 0) | (ids >= vocab_size)]
             if bad.size:
-                raise ValueError(f"document {i} holds token id {int(bad[0])}, outside the vocabulary "
-                                 f"[0, {vocab_size}).")  # fmt: skip
+                raise ValueError(
+                    f"document {i} holds token id {int(bad[0])}, outside the vocabulary [0, {vocab_size})."
+                )
             parts += [ids.astype(np.int32), separator]
         if len(parts) == 1:
             raise ValueError("The corpus is empty: expected at least one non-empty document (answer) of token ids.")
@@ -161,8 +175,11 @@ class CorpusIndex:
     # ------------------------------------------------------------------------------------------------------------
     # queries
 
-    def match_ranges(self, context: Sequence[int] | np.ndarray | torch.Tensor, max_len: int = MATCH_CAP,
-                     ) -> list[tuple[int, int]]:  # fmt: skip
+    def match_ranges(
+        self,
+        context: Sequence[int] | np.ndarray | torch.Tensor,
+        max_len: int = MATCH_CAP,
+    ) -> list[tuple[int, int]]:
         """Per k = 1, 2, ...: the range ``[lo, hi)`` of `suffix_array` holding the end positions of the occurrences
         of the context's last k tokens, for every k up to the longest that occurs (at most `max_len` and `depth`).
         Empty when the last token never occurs (or is no token of the vocabulary)."""
@@ -208,8 +225,9 @@ class CorpusIndex:
                 b = mid
         return first, a
 
-    def longest_match(self, context: Sequence[int] | np.ndarray | torch.Tensor, min_len: int = 2,
-                      max_len: int = MATCH_CAP) -> tuple[int, int, int]:  # fmt: skip
+    def longest_match(
+        self, context: Sequence[int] | np.ndarray | torch.Tensor, min_len: int = 2, max_len: int = MATCH_CAP
+    ) -> tuple[int, int, int]:
         """`(length, lo, hi)`: the longest suffix of `context` (at most `max_len` tokens) that occurs in the
         corpus, and the range of `suffix_array` holding its occurrences' end positions; `(0, 0, 0)` when it is
         shorter than `min_len`."""
@@ -218,15 +236,29 @@ class CorpusIndex:
             return 0, 0, 0
         return len(ranges), *ranges[-1]
 
-    def continuations(self, lo: int, hi: int, depth: int, branches: int, min_count: int = 2, *, match: int,
-                      max_samples: int = 256, max_nodes: int | None = None) -> LookupTrie:  # fmt: skip
+    def continuations(
+        self,
+        lo: int,
+        hi: int,
+        depth: int,
+        branches: int,
+        min_count: int = 2,
+        *,
+        match: int,
+        max_samples: int = 256,
+        max_nodes: int | None = None,
+    ) -> LookupTrie:
         """The trie of what follows the occurrences in ``suffix_array[lo:hi]`` (`depth` tokens at most, up to the
         answer's end), `match` being their match length. A node is kept when at least `min_count` of the sampled
         occurrences go through it and it is among its parent's `branches` most frequent children (ties: the smaller
         token); then the `max_nodes` most frequent nodes (default: all). Nodes come level by level, children of a
         node the most frequent first. At most `max_samples` occurrences are read, evenly spread over the range."""
-        for name, value in (("depth", depth), ("branches", branches), ("min_count", min_count),
-                            ("max_samples", max_samples)):  # fmt: skip
+        for name, value in (
+            ("depth", depth),
+            ("branches", branches),
+            ("min_count", min_count),
+            ("max_samples", max_samples),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if not 0 <= lo <= hi <= len(self.suffix_array):
@@ -263,8 +295,11 @@ class CorpusIndex:
             trie.match.append(match)
         return trie
 
-    def lookup(self, context: Sequence[int] | np.ndarray | torch.Tensor, options: CorpusOptions | None = None,
-               ) -> LookupTrie:  # fmt: skip
+    def lookup(
+        self,
+        context: Sequence[int] | np.ndarray | torch.Tensor,
+        options: CorpusOptions | None = None,
+    ) -> LookupTrie:
         """This cycle's trie for a row whose sequence ends with `context` (its last `options.max_len` tokens are
         read): the continuations of the longest match with a continuation seen `min_count` times, trying ever
         shorter matches down to `min_len`; an empty trie (the root alone) when none has one."""
@@ -276,9 +311,16 @@ class CorpusIndex:
             if hi - lo < options.min_count or hi - lo == tried:
                 continue
             tried = hi - lo
-            trie = self.continuations(lo, hi, options.depth, options.branches, options.min_count,
-                                      match=min(k, MATCH_CAP), max_samples=options.max_samples,
-                                      max_nodes=options.max_nodes)  # fmt: skip
+            trie = self.continuations(
+                lo,
+                hi,
+                options.depth,
+                options.branches,
+                options.min_count,
+                match=min(k, MATCH_CAP),
+                max_samples=options.max_samples,
+                max_nodes=options.max_nodes,
+            )
             if trie.num_nodes > 1:
                 return trie
         return LookupTrie()
@@ -288,8 +330,13 @@ class CorpusIndex:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write one safetensors file: ``tokens`` and ``suffix_array`` (int32), the rest as its metadata."""
-        metadata = {"format": FORMAT, "vocab_size": str(self.vocab_size), "depth": str(self.depth),
-                    "documents": str(self.num_documents), "info": json.dumps(self.metadata, sort_keys=True)}  # fmt: skip
+        metadata = {
+            "format": FORMAT,
+            "vocab_size": str(self.vocab_size),
+            "depth": str(self.depth),
+            "documents": str(self.num_documents),
+            "info": json.dumps(self.metadata, sort_keys=True),
+        }
         tensors = {"tokens": torch.from_numpy(self.tokens), "suffix_array": torch.from_numpy(self.suffix_array)}
         save_file(tensors, os.fspath(path), metadata=metadata)
 
@@ -303,9 +350,11 @@ class CorpusIndex:
         with open_safetensors(path) as f:
             metadata, keys = f.metadata() or {}, set(f.keys())
             if metadata.get("format") != FORMAT or keys != {"tokens", "suffix_array"}:
-                raise ValueError(f"{path!r} is not a corpus index written by `eagle3-hf corpus`: its format is "
-                                 f"{metadata.get('format')!r} with tensors {sorted(keys)}, expected {FORMAT!r} with "
-                                 "['suffix_array', 'tokens'].")  # fmt: skip
+                raise ValueError(
+                    f"{path!r} is not a corpus index written by `eagle3-hf corpus`: its format is "
+                    f"{metadata.get('format')!r} with tensors {sorted(keys)}, expected {FORMAT!r} with "
+                    "['suffix_array', 'tokens']."
+                )
             tokens, suffix_array = f.get_tensor("tokens").numpy(), f.get_tensor("suffix_array").numpy()
         try:
             vocab_size, depth = int(metadata["vocab_size"]), int(metadata["depth"])
@@ -318,8 +367,13 @@ class CorpusIndex:
             raise ValueError(f"{path!r}: {err}") from err
 
 
-def _select_nodes(rows: np.ndarray, common: np.ndarray, branches: int, min_count: int, max_nodes: int | None,
-                  ) -> list[tuple[int, int, int]]:  # fmt: skip
+def _select_nodes(
+    rows: np.ndarray,
+    common: np.ndarray,
+    branches: int,
+    min_count: int,
+    max_nodes: int | None,
+) -> list[tuple[int, int, int]]:
     """The kept trie nodes of sorted continuation `rows` `[S, depth]` (`common` `[S - 1]`: each row's common prefix
     with the row before it), level by level: `(parent, token, count)`, the parent being a trie index (0: the root,
     node i of the list: i + 1). A node of level d is a run of rows sharing their first d + 1 tokens.
@@ -345,8 +399,13 @@ def _select_nodes(rows: np.ndarray, common: np.ndarray, branches: int, min_count
     siblings: dict[int, int] = {}  # parent node -> children kept so far
     children: dict[int, list[tuple[int, int, int]]] = {}  # this level's candidates by parent node
     floor, current = 0, 0  # counts must exceed `floor`
-    for node, lvl, parent, token, count in zip(chosen.tolist(), level[chosen].tolist(), parents[chosen].tolist(),
-                                               tokens[chosen].tolist(), counts[chosen].tolist()):  # fmt: skip
+    for node, lvl, parent, token, count in zip(
+        chosen.tolist(),
+        level[chosen].tolist(),
+        parents[chosen].tolist(),
+        tokens[chosen].tolist(),
+        counts[chosen].tolist(),
+    ):
         if lvl != current:
             floor = _emit(children, index_of, nodes, floor, max_nodes)
             current, children = lvl, {}
@@ -357,8 +416,13 @@ def _select_nodes(rows: np.ndarray, common: np.ndarray, branches: int, min_count
     return nodes
 
 
-def _emit(children: dict[int, list[tuple[int, int, int]]], index_of: dict[int, int], nodes: list, floor: int,
-          max_nodes: int | None) -> int:  # fmt: skip
+def _emit(
+    children: dict[int, list[tuple[int, int, int]]],
+    index_of: dict[int, int],
+    nodes: list,
+    floor: int,
+    max_nodes: int | None,
+) -> int:
     """Append one level's kept nodes to `nodes`, their parents' trie order first; return the new count floor."""
     for parent in sorted(children, key=index_of.__getitem__):
         for node, token, count in children[parent]:
@@ -376,12 +440,16 @@ def _check_arrays(tokens: np.ndarray, suffix_array: np.ndarray, vocab_size: int,
         raise ValueError(f"vocab_size and depth must be >= 1, got {vocab_size} and {depth}.")
     for name, array in (("tokens", tokens), ("suffix_array", suffix_array)):
         if not isinstance(array, np.ndarray) or array.dtype != np.int32 or array.ndim != 1:
-            raise ValueError(f"{name} must be a 1-D int32 numpy array, got {getattr(array, 'dtype', type(array))} "
-                             f"of shape {getattr(array, 'shape', None)}.")  # fmt: skip
+            raise ValueError(
+                f"{name} must be a 1-D int32 numpy array, got {getattr(array, 'dtype', type(array))} "
+                f"of shape {getattr(array, 'shape', None)}."
+            )
     real = int((tokens != SEPARATOR).sum())
     if real == 0 or tokens[0] != SEPARATOR or tokens[-1] != SEPARATOR:
-        raise ValueError(f"tokens must hold at least one token and start and end with the separator {SEPARATOR}; "
-                         f"got {len(tokens)} entries, {real} of them tokens.")  # fmt: skip
+        raise ValueError(
+            f"tokens must hold at least one token and start and end with the separator {SEPARATOR}; "
+            f"got {len(tokens)} entries, {real} of them tokens."
+        )
     bad = tokens[(tokens < SEPARATOR) | (tokens >= vocab_size)]
     if bad.size:
         raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size}).")

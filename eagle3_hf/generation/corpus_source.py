@@ -58,8 +58,9 @@ class GrowingCorpus:
 
     def __init__(self, max_tokens: int, vocab_size: int, rebuild_every: int = 2048) -> None:
         if max_tokens < 1 or rebuild_every < 1:
-            raise ValueError(f"corpus growth needs max_tokens and rebuild_every >= 1, got {max_tokens} and "
-                             f"{rebuild_every}.")  # fmt: skip
+            raise ValueError(
+                f"corpus growth needs max_tokens and rebuild_every >= 1, got {max_tokens} and {rebuild_every}."
+            )
         self.max_tokens, self.vocab_size, self.rebuild_every = max_tokens, vocab_size, rebuild_every
         self.documents: list[list[int]] = []
         self.index: CorpusIndex | None = None
@@ -133,12 +134,16 @@ def open_corpus(corpus: Any, vocab_size: int, depth: int, growth: int | None = N
     elif isinstance(corpus, (str, os.PathLike)):
         indexes = [load_corpus(corpus)]
     else:
-        raise ValueError(f"corpus must be a CorpusIndex, the path of a file written by `eagle3-hf corpus`, or "
-                         f"None/False; got {type(corpus).__name__}.")  # fmt: skip
+        raise ValueError(
+            f"corpus must be a CorpusIndex, the path of a file written by `eagle3-hf corpus`, or "
+            f"None/False; got {type(corpus).__name__}."
+        )
     for index in indexes:
         if index.vocab_size > vocab_size:
-            raise ValueError(f"The corpus was built over a vocabulary of {index.vocab_size} ids, larger than this "
-                             f"target's {vocab_size}: it holds another model's answers.")  # fmt: skip
+            raise ValueError(
+                f"The corpus was built over a vocabulary of {index.vocab_size} ids, larger than this "
+                f"target's {vocab_size}: it holds another model's answers."
+            )
     if growth is not None and growth < 0:
         raise ValueError(f"corpus_growth must be >= 0 (tokens kept; 0: no growth), got {growth}.")
     grower = growing_corpus(growth, vocab_size) if growth else None

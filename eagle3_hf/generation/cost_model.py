@@ -106,9 +106,7 @@ class CycleCostModel:
     def for_device(cls, device_type: str, dtype: torch.dtype) -> CycleCostModel:
         """A cost model whose priors fit verifying in `dtype` on a `device_type` ("cpu", "cuda", ...) device."""
         slope, draft = _PRIORS.get((device_type, dtype), _GPU_PRIOR if device_type != "cpu" else (1.0 / 30, 0.15))
-        return cls(
-            verify=LinearCost(prior_a=1.0, prior_b=slope), draft_step=LinearCost(prior_a=draft, prior_b=0.0)
-        )
+        return cls(verify=LinearCost(prior_a=1.0, prior_b=slope), draft_step=LinearCost(prior_a=draft, prior_b=0.0))
 
     @property
     def calibration(self) -> float:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.generation import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf.generation.corpus_source import open_corpus
@@ -51,10 +51,18 @@ from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.modeling.target_fit import register_binder
 from eagle3_hf.utils.compat import generate_output_cache_field
 
-
 # Per-call tree options, also read from a GenerationConfig (GenerationConfig(tree_depth=4) keeps unknown fields).
-TREE_OPTIONS = ("tree_depth", "tree_top_k", "tree_total_tokens", "adaptive_tree", "exact_verify", "context_lookup",
-                "lookup_depth", "lookup_branches", "lookup_confidence")
+TREE_OPTIONS = (
+    "tree_depth",
+    "tree_top_k",
+    "tree_total_tokens",
+    "adaptive_tree",
+    "exact_verify",
+    "context_lookup",
+    "lookup_depth",
+    "lookup_branches",
+    "lookup_confidence",
+)
 # Options of stock assisted generation that mean nothing for a tree.
 CHAIN_OPTIONS = ("num_assistant_tokens", "num_assistant_tokens_schedule")
 _DEFAULT_CONFIG = GenerationConfig()
@@ -169,8 +177,10 @@ def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig
         if getattr(config, name, None) != getattr(_DEFAULT_CONFIG, name, None):
             warnings.warn(
                 f"The generation config's {name}={getattr(config, name)!r} is ignored by EAGLE-3 decoding, which "
-                "drafts a tree sized by tree_depth, tree_top_k and tree_total_tokens.", UserWarning, stacklevel=3,
-            )  # fmt: skip
+                "drafts a tree sized by tree_depth, tree_top_k and tree_total_tokens.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
@@ -199,8 +209,12 @@ def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = 
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
         kwargs["stopping_criteria"] = criteria
     return type(target).generate(
-        target, *args, custom_generate=eagle3_decoding, eagle3_draft=assistant_model,
-        eagle3_streamer=kwargs.get("streamer"), **kwargs,
+        target,
+        *args,
+        custom_generate=eagle3_decoding,
+        eagle3_draft=assistant_model,
+        eagle3_streamer=kwargs.get("streamer"),
+        **kwargs,
     )
 
 
@@ -253,14 +267,22 @@ def eagle3_decoding(
     """
     if isinstance(eagle3_draft, ContextLookup):
         draft, context_lookup = None, True
-        defaults = dict(depth=eagle3_draft.tree_depth, top_k=eagle3_draft.lookup_branches,
-                        total=eagle3_draft.tree_total_tokens, max_ngram=eagle3_draft.lookup_max_ngram)  # fmt: skip
+        defaults = dict(
+            depth=eagle3_draft.tree_depth,
+            top_k=eagle3_draft.lookup_branches,
+            total=eagle3_draft.tree_total_tokens,
+            max_ngram=eagle3_draft.lookup_max_ngram,
+        )
         lookup_branches = eagle3_draft.lookup_branches if lookup_branches is None else lookup_branches
     elif isinstance(eagle3_draft, Eagle3DraftModel):
         draft = eagle3_draft
         draft.config.check_target_config(model.config)  # the one draft-fits-target check of a generate() call
-        defaults = dict(depth=draft.config.tree_depth, top_k=draft.config.tree_top_k,
-                        total=draft.config.tree_total_tokens, max_ngram=LookupOptions.max_ngram)  # fmt: skip
+        defaults = dict(
+            depth=draft.config.tree_depth,
+            top_k=draft.config.tree_top_k,
+            total=draft.config.tree_total_tokens,
+            max_ngram=LookupOptions.max_ngram,
+        )
     else:
         raise ValueError(
             f"eagle3_decoding needs `eagle3_draft`, an Eagle3DraftModel or a ContextLookup; got "
@@ -302,11 +324,28 @@ def eagle3_decoding(
         max_ngram=defaults["max_ngram"],
         confidence=LookupOptions.confidence if lookup_confidence is None else lookup_confidence,
     )
-    source = open_corpus(getattr(eagle3_draft, "corpus", None) if corpus is None else corpus,
-                         model.config.get_text_config().vocab_size, options.depth, corpus_growth)  # fmt: skip
+    source = open_corpus(
+        getattr(eagle3_draft, "corpus", None) if corpus is None else corpus,
+        model.config.get_text_config().vocab_size,
+        options.depth,
+        corpus_growth,
+    )
     proposer = build_proposer(draft, options, context_lookup is None or bool(context_lookup), source)
-    run = _new_run(model, draft, proposer, input_ids, mask, logits_processor, stopping_criteria, generation_config,
-                   budget, cache, adaptive_tree, eagle3_streamer, eagle3_observer)  # fmt: skip
+    run = _new_run(
+        model,
+        draft,
+        proposer,
+        input_ids,
+        mask,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        budget,
+        cache,
+        adaptive_tree,
+        eagle3_streamer,
+        eagle3_observer,
+    )
     choice = choose_verification(model, exact_verify, rows=rows)
     with exact_verification(model, enabled=choice.exact) as run.exact:
         decode(run, input_ids, mask)
@@ -337,9 +376,21 @@ def eagle3_decoding(
     )
 
 
-def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: Any, input_ids: torch.Tensor,
-             mask: torch.Tensor, logits_processor: Any, stopping_criteria: Any, generation_config: GenerationConfig,
-             budget: TreeBudget, cache: Any, adaptive_tree: bool, streamer: Any, observer: Any) -> DecodeRun:  # fmt: skip
+def _new_run(
+    model: PreTrainedModel,
+    draft: Eagle3DraftModel | None,
+    proposer: Any,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    logits_processor: Any,
+    stopping_criteria: Any,
+    generation_config: GenerationConfig,
+    budget: TreeBudget,
+    cache: Any,
+    adaptive_tree: bool,
+    streamer: Any,
+    observer: Any,
+) -> DecodeRun:
     """The call's `DecodeRun`: output buffer, padding and stopping rules as plain generate() has them."""
     rows, length = input_ids.shape
     has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
@@ -353,19 +404,38 @@ def _new_run(model: PreTrainedModel, draft: Eagle3DraftModel | None, proposer: A
     return_dict = bool(generation_config.return_dict_in_generate)
     layers = model.config.get_text_config().num_hidden_layers
     return DecodeRun(
-        model=model, proposer=proposer, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-        budget=budget, cache=cache, layer_ids=draft.config.resolved_target_layer_ids(layers) if draft else [],
-        out=out, lengths=[length] * rows, tokens=input_ids.tolist(), starts=[int((m == 0).sum()) for m in mask],
-        pad_token_id=None if pad is None else int(pad), pad_finished=rows > 1 and has_eos, max_length=max_length,
-        do_sample=do_sample, temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
-        adaptive_tree=adaptive_tree, streamer=streamer, observer=observer,
+        model=model,
+        proposer=proposer,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        budget=budget,
+        cache=cache,
+        layer_ids=draft.config.resolved_target_layer_ids(layers) if draft else [],
+        out=out,
+        lengths=[length] * rows,
+        tokens=input_ids.tolist(),
+        starts=[int((m == 0).sum()) for m in mask],
+        pad_token_id=None if pad is None else int(pad),
+        pad_finished=rows > 1 and has_eos,
+        max_length=max_length,
+        do_sample=do_sample,
+        temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
+        adaptive_tree=adaptive_tree,
+        streamer=streamer,
+        observer=observer,
         output_scores=return_dict and bool(generation_config.output_scores),
         output_logits=return_dict and bool(generation_config.output_logits),
-        cost=CycleCostModel.for_device(model.device.type, model.dtype), stop_lengths=[None] * rows,
-        active=list(range(rows)), streamed=length, prompt_length=length, scores=[[] for _ in range(rows)],
-        raw_logits=[[] for _ in range(rows)], accept_lengths=[[] for _ in range(rows)],
-        tree_sizes=[[] for _ in range(rows)], accept_sources=[[] for _ in range(rows)],
-    )  # fmt: skip
+        cost=CycleCostModel.for_device(model.device.type, model.dtype),
+        stop_lengths=[None] * rows,
+        active=list(range(rows)),
+        streamed=length,
+        prompt_length=length,
+        scores=[[] for _ in range(rows)],
+        raw_logits=[[] for _ in range(rows)],
+        accept_lengths=[[] for _ in range(rows)],
+        tree_sizes=[[] for _ in range(rows)],
+        accept_sources=[[] for _ in range(rows)],
+    )
 
 
 def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -388,4 +458,3 @@ def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
             "attention_mask=torch.ones_like(input_ids)."
         )
     return attention_mask
-

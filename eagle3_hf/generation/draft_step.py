@@ -29,9 +29,15 @@ class DraftKV:
     """
 
     def __init__(
-        self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 512,
-        num_layers: int = 1, rows: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int = 512,
+        num_layers: int = 1,
+        rows: int = 1,
+    ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"DraftKV needs num_layers >= 1 (one buffer per draft layer), got {num_layers!r}.")
         if not isinstance(rows, int) or rows < 1:
@@ -89,7 +95,11 @@ class DraftKV:
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """GQA attention of q `[A, h, S, d]` over keys/values `[A, kv, L, d]` without repeating them: the `g = h / kv`
@@ -100,7 +110,7 @@ def _attend(
     groups = heads // kv_heads
     q = q.reshape(rows, kv_heads, groups * seq, dim)
     if mask is not None:
-        mask = (mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, groups, 1)[:, None])  # [(A,1,) g*S, L]
+        mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, groups, 1)[:, None]  # [(A,1,) g*S, L]
     if softcap is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     else:  # Gemma-style logit soft-capping, which the fused kernel has no option for

@@ -58,7 +58,9 @@ class DraftState:
         """Columns of the KV buffer holding verified pairs (or holes)."""
         return 0 if self.kv is None else self.kv.length
 
-    def add_verified(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    def add_verified(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> None:
         if valid is None:
             valid = torch.ones(next_tokens.shape, dtype=torch.bool, device=next_tokens.device)
         self.pending.append((features, next_tokens, valid))
@@ -104,8 +106,9 @@ def catch_up(draft: Eagle3DraftModel, state: DraftState) -> None:
     allowed = torch.cat([state.valid[:, None, :].expand(rows, n, start), block], dim=2)
     positions = (state.positions[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)
     state.forward_calls += 1
-    normed, feedback = draft_forward(draft, state.kv, tokens, hidden, positions, start,
-                                     additive_mask(allowed, hidden.dtype))  # fmt: skip
+    normed, feedback = draft_forward(
+        draft, state.kv, tokens, hidden, positions, start, additive_mask(allowed, hidden.dtype)
+    )
     state.kv.length += n
     state.valid = torch.cat([state.valid, valid], dim=1)
     state.positions = state.positions + valid.sum(dim=1)
@@ -162,11 +165,15 @@ def build_greedy_trees(
         allowed = torch.cat([state.valid[:, None, :].expand(rows, kf, prefix), ancestors], dim=2)
         state.forward_calls += 1
         normed, feedback = draft_forward(
-            draft, state.kv, draft.draft_to_target_ids(frontier_ids), frontier_hidden,
-            (state.positions + level - 1)[:, None].expand(rows, kf), prefix + fed,
+            draft,
+            state.kv,
+            draft.draft_to_target_ids(frontier_ids),
+            frontier_hidden,
+            (state.positions + level - 1)[:, None].expand(rows, kf),
+            prefix + fed,
             additive_mask(allowed, frontier_hidden.dtype),
             rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
-        )  # fmt: skip
+        )
         fed += kf
         child_ids, child_logp = top_children(draft.lm_head(normed), k)  # [A, kf, k] each
         child_scores = (frontier_scores[:, :, None] + child_logp).reshape(rows, -1)
@@ -187,8 +194,10 @@ def build_greedy_trees(
     tokens = torch.cat([roots[:, None].to(ids.dtype), draft.draft_to_target_ids(ids.gather(1, kept))], dim=1)
     kept_scores = torch.cat([torch.zeros(rows, 1, device=device), scores.gather(1, kept)], dim=1)
     kept_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), depths[kept]], dim=1)
-    return [DraftTree(tokens=tokens[row], parents=tree_parents[row], depths=kept_depths[row], scores=kept_scores[row])
-            for row in range(rows)]  # fmt: skip
+    return [
+        DraftTree(tokens=tokens[row], parents=tree_parents[row], depths=kept_depths[row], scores=kept_scores[row])
+        for row in range(rows)
+    ]
 
 
 def _rerank_rows(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

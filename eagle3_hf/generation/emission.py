@@ -151,8 +151,11 @@ def _score_padding_steps(run: DecodeRun, output: torch.Tensor, row: int, done: i
     logits after each prefix of its padded output (its left padding dropped, as it is masked there)."""
     tail = steps - done
     with torch.no_grad():
-        out = run.model(input_ids=output[row : row + 1, run.starts[row] : run.prompt_length + steps - 1],
-                        use_cache=False, logits_to_keep=tail)  # fmt: skip
+        out = run.model(
+            input_ids=output[row : row + 1, run.starts[row] : run.prompt_length + steps - 1],
+            use_cache=False,
+            logits_to_keep=tail,
+        )
     raw = out.logits[0].float()  # [tail, V]: the logits before steps done..steps-1
     for i in range(tail):
         if run.output_logits:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -137,9 +137,18 @@ def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
         emitted = emit(run, new_tokens, results, scores)
         record_cycle(run, proposal, results, emitted, predicted, draft_s, verify_s)
         if run.observer is not None:
-            run.observer(CycleRecord(past=start, rows=list(run.active), tree_sizes=[r.tree.num_nodes for r in proposal.rows],
-                                     emitted=emitted, parents=[r.tree.host.parents for r in proposal.rows],
-                                     draft_s=draft_s, verify_s=verify_s, consulted=proposal.consulted))  # fmt: skip
+            run.observer(
+                CycleRecord(
+                    past=start,
+                    rows=list(run.active),
+                    tree_sizes=[r.tree.num_nodes for r in proposal.rows],
+                    emitted=emitted,
+                    parents=[r.tree.host.parents for r in proposal.rows],
+                    draft_s=draft_s,
+                    verify_s=verify_s,
+                    consulted=proposal.consulted,
+                )
+            )
         retire_rows(run)
     stream(run, final=True)
     if run.streamer is not None:
@@ -157,10 +166,15 @@ def prefill(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tenso
     positions = (mask.long().cumsum(dim=-1) - 1).masked_fill(mask == 0, 0) if holes else None
     with torch.no_grad():
         out = run.model(
-            input_ids=ids, attention_mask=mask if holes else None, position_ids=positions, use_cache=True,
-            output_hidden_states=run.proposer.needs_hidden_states, logits_to_keep=1, **cache_kwargs(run.cache),
+            input_ids=ids,
+            attention_mask=mask if holes else None,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=run.proposer.needs_hidden_states,
+            logits_to_keep=1,
+            **cache_kwargs(run.cache),
             **_exact_kwargs(run),
-        )  # fmt: skip
+        )
     raw = out.logits[:, -1].float()  # [B, V]
     processed = run.logits_processor(input_ids, raw.clone())
     first = select_tokens(run, processed)  # [B]
@@ -230,9 +244,14 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
     try:
         with torch.no_grad():
             out = run.model(
-                input_ids=padded.tokens, attention_mask=mask, position_ids=padded.positions, use_cache=True,
-                output_hidden_states=run.proposer.needs_hidden_states, **cache_kwargs(run.cache), **_exact_kwargs(run),
-            )  # fmt: skip
+                input_ids=padded.tokens,
+                attention_mask=mask,
+                position_ids=padded.positions,
+                use_cache=True,
+                output_hidden_states=run.proposer.needs_hidden_states,
+                **cache_kwargs(run.cache),
+                **_exact_kwargs(run),
+            )
     finally:
         if run.exact is not None:
             run.exact.clear_tree()
@@ -250,7 +269,9 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
     scores = []
     for i, (r, row) in enumerate(zip(run.active, rows)):
         prefix = run.out[r : r + 1, : run.lengths[r]]
-        scores.append(NodeScores(logits[i, : row.tree.num_nodes], row.tree, prefix, run.logits_processor, r, run.batch_size))
+        scores.append(
+            NodeScores(logits[i, : row.tree.num_nodes], row.tree, prefix, run.logits_processor, r, run.batch_size)
+        )
     eager = not run.do_sample and not reads_are_free(run.device)
     unprocessed = eager and len(run.logits_processor) == 0  # the choices need no tree: read them with it
     choices = [node_scores.all_choices() for node_scores in scores] if unprocessed else []
@@ -265,23 +286,35 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
             node_scores.choices = [int(c) for c in choices[i]]
         if run.do_sample:
             # a root-only tree has no drafted children: sample_accept then draws the bonus from p
-            draft_probs = tree.draft_probs if tree.draft_probs is not None else (
-                lambda node, s=node_scores: torch.zeros_like(s.raw(node)))  # fmt: skip
-            result = sample_accept(tree.tokens, tree.parents, node_scores.probs, draft_probs,
-                                   point_mass=proposal.point_mass, draws=proposal.draws)  # fmt: skip
+            draft_probs = (
+                tree.draft_probs
+                if tree.draft_probs is not None
+                else (lambda node, s=node_scores: torch.zeros_like(s.raw(node)))
+            )
+            result = sample_accept(
+                tree.tokens,
+                tree.parents,
+                node_scores.probs,
+                draft_probs,
+                point_mass=proposal.point_mass,
+                draws=proposal.draws,
+            )
         else:
             result = greedy_walk(tree.host.tokens, children_lists(tree.host.parents), node_scores.greedy_choice)
         results.append(result)
     return results, scores
 
 
-def update(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None,
-           start: int) -> list[list[int]]:  # fmt: skip
+def update(
+    run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None, start: int
+) -> list[list[int]]:
     """Keep each row's accepted path in the target cache; tell the proposer. Returns each row's new tokens (accepted
     nodes + bonus)."""
     index, keep = keep_paths(run.cache, run.columns, start, [result.path for result in results])
-    new_tokens = [[row.tree.host.tokens[node] for node in result.path[1:]] + [result.bonus_token]
-                  for row, result in zip(proposal.rows, results)]  # fmt: skip
+    new_tokens = [
+        [row.tree.host.tokens[node] for node in result.path[1:]] + [result.bonus_token]
+        for row, result in zip(proposal.rows, results)
+    ]
     width = index.shape[1]
     tokens = torch.tensor([row + [0] * (width - len(row)) for row in new_tokens], device=run.device)  # [A, W]
     picked = None
@@ -292,8 +325,15 @@ def update(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], feat
     return new_tokens
 
 
-def record_cycle(run: DecodeRun, proposal: Proposal, results: list[AcceptResult], emitted: list[int],
-                 predicted: float | None, draft_s: float, verify_s: float) -> None:  # fmt: skip
+def record_cycle(
+    run: DecodeRun,
+    proposal: Proposal,
+    results: list[AcceptResult],
+    emitted: list[int],
+    predicted: float | None,
+    draft_s: float,
+    verify_s: float,
+) -> None:
     """Bookkeeping: tree sizes, where the accepted tokens came from, and what the cost model learns -- the verify
     cost of the cycle's width, the proposals' calibration, and whether consulting the draft gained tokens over plain
     steps in the same time (only the tokens the draft proposed count: the lookup's came without consulting it)."""

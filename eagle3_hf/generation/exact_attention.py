@@ -35,7 +35,6 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-
 __all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
 
 # Original implementations whose one-query calls this module can reproduce.
@@ -120,8 +119,9 @@ class ExactAttention:
         key = (window, merge)
         if key not in self._calls:
             device = self.paths.device
-            self._calls[key] = [_with_mask(call, device) for call in
-                                _plan_calls(self.depths, self.past, window, merge, self.max_rows)]  # fmt: skip
+            self._calls[key] = [
+                _with_mask(call, device) for call in _plan_calls(self.depths, self.past, window, merge, self.max_rows)
+            ]
         return self._calls[key]
 
     def layer_keys(self, layer: int, key: torch.Tensor, value: torch.Tensor, needed: int) -> _LayerKeys:
@@ -300,14 +300,25 @@ def exact_attention_forward(
 
 
 def _decode_step_sdpa(
-    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, kwargs: dict,
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: _Call,
+    kwargs: dict,
 ) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` called as transformers' sdpa calls it for a one-token step
     over full attention (no mask, key heads shared through `enable_gqa`), for `n` nodes at once; rows shorter than the
     call see their trailing keys masked (see `ExactAttention.calls`). Returns `[n, 1, heads, head_dim]`."""
     extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=call.mask, dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"), is_causal=False,
+        q,
+        k,
+        v,
+        attn_mask=call.mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        is_causal=False,
         **extra,
     )  # [n, heads, 1, head_dim]
     return out.transpose(1, 2)

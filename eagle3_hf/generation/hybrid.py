@@ -36,11 +36,30 @@ from eagle3_hf.generation.context_index import ContextIndex, LookupTrie
 from eagle3_hf.generation.tree import DraftTree, HostTree, cut_host, subtree
 
 __all__ = [
-    "BOTH", "CORPUS", "CORPUS_PRIOR_RATES", "DRAFT", "LOOKUP", "SOURCE_NAMES", "Candidates", "LookupOptions",
-    "LookupState", "LookupStats", "SampledGraft", "best_lookup_nodes", "candidates_tree", "graft", "graft_candidates",
-    "graft_sampled", "lookup_conditionals", "lookup_only_tree", "merge_candidates", "observe_nodes", "prune_nodes",
-    "source_counts", "source_totals",
-]  # fmt: skip
+    "BOTH",
+    "CORPUS",
+    "CORPUS_PRIOR_RATES",
+    "DRAFT",
+    "LOOKUP",
+    "SOURCE_NAMES",
+    "Candidates",
+    "LookupOptions",
+    "LookupState",
+    "LookupStats",
+    "SampledGraft",
+    "best_lookup_nodes",
+    "candidates_tree",
+    "graft",
+    "graft_candidates",
+    "graft_sampled",
+    "lookup_conditionals",
+    "lookup_only_tree",
+    "merge_candidates",
+    "observe_nodes",
+    "prune_nodes",
+    "source_counts",
+    "source_totals",
+]
 
 # node sources, as bit flags: BOTH == DRAFT | LOOKUP (the context lookup); a node may hold several
 DRAFT, LOOKUP, BOTH, CORPUS = 1, 2, 3, 4
@@ -164,15 +183,21 @@ class Candidates:
         depths = trie.depths()
         match = [0] + [_effective_match(trie, depths, i) for i in range(1, trie.num_nodes)]
         zeros = [0] * trie.num_nodes
-        return cls(trie, cond, [0] + [source] * (trie.num_nodes - 1), match if source == LOOKUP else zeros,
-                   match if source == CORPUS else zeros)  # fmt: skip
+        return cls(
+            trie,
+            cond,
+            [0] + [source] * (trie.num_nodes - 1),
+            match if source == LOOKUP else zeros,
+            match if source == CORPUS else zeros,
+        )
 
 
 def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
     """`second`'s nodes merged into `first`'s (a node with the same token under the same parent becomes one node of
     both sources, with the larger estimate); `first`'s nodes keep their indices, so parents still come first."""
-    trie = LookupTrie(list(first.trie.tokens), list(first.trie.parents), list(first.trie.counts),
-                      list(first.trie.match))  # fmt: skip
+    trie = LookupTrie(
+        list(first.trie.tokens), list(first.trie.parents), list(first.trie.counts), list(first.trie.match)
+    )
     out = Candidates(trie, list(first.cond), list(first.sources), list(first.match), list(first.corpus_match))
     child_of = {(trie.parents[i], trie.tokens[i]): i for i in range(1, trie.num_nodes)}
     mapped = [0] * second.trie.num_nodes
@@ -203,30 +228,46 @@ def _log_scores(parents: list[int], cond: list[float]) -> list[float]:
     return scores
 
 
-def lookup_only_tree(root: int, trie: LookupTrie, cond: list[float], device: torch.device, total_tokens: int,
-                     ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
+def lookup_only_tree(
+    root: int,
+    trie: LookupTrie,
+    cond: list[float],
+    device: torch.device,
+    total_tokens: int,
+) -> tuple[DraftTree, list[int], list[int]]:
     """The trie as a tree (scores: log estimates), cut to its best `total_tokens` nodes (root included).
     Returns (tree, sources, effective match per node: 0 for the root)."""
     return candidates_tree(root, Candidates.of(trie, cond), device, total_tokens)[:3]
 
 
-def candidates_tree(root: int, cands: Candidates, device: torch.device, total_tokens: int,
-                    ) -> tuple[DraftTree, list[int], list[int], list[int]]:  # fmt: skip
+def candidates_tree(
+    root: int,
+    cands: Candidates,
+    device: torch.device,
+    total_tokens: int,
+) -> tuple[DraftTree, list[int], list[int], list[int]]:
     """`lookup_only_tree` of merged candidates. Returns (tree, sources, context match, corpus match) per node."""
     trie = cands.trie
     host = HostTree([root] + trie.tokens[1:], list(trie.parents), _log_scores(trie.parents, cands.cond))
     return _cut(host, list(cands.sources), list(cands.match), total_tokens, device, list(cands.corpus_match))
 
 
-def graft(tree: DraftTree, trie: LookupTrie, cond: list[float], total_tokens: int,
-          ) -> tuple[DraftTree, list[int], list[int]]:  # fmt: skip
+def graft(
+    tree: DraftTree,
+    trie: LookupTrie,
+    cond: list[float],
+    total_tokens: int,
+) -> tuple[DraftTree, list[int], list[int]]:
     """Merge the trie into a greedy draft tree (see the module docstring); keep the best `total_tokens` nodes.
     Returns (tree, sources, effective match per node: 0 for pure draft nodes)."""
     return graft_candidates(tree, Candidates.of(trie, cond), total_tokens)[:3]
 
 
-def graft_candidates(tree: DraftTree, cands: Candidates, total_tokens: int,
-                     ) -> tuple[DraftTree, list[int], list[int], list[int]]:  # fmt: skip
+def graft_candidates(
+    tree: DraftTree,
+    cands: Candidates,
+    total_tokens: int,
+) -> tuple[DraftTree, list[int], list[int], list[int]]:
     """`graft` of merged candidates. Returns (tree, sources, context match, corpus match) per node."""
     trie, cond = cands.trie, cands.cond
     host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
@@ -256,8 +297,14 @@ def graft_candidates(tree: DraftTree, cands: Candidates, total_tokens: int,
     return _cut(HostTree(tokens, parents, scores), sources, match, total_tokens, tree.tokens.device, corpus_match)
 
 
-def _cut(host: HostTree, sources: list[int], match: list[int], total_tokens: int, device: torch.device,
-         corpus_match: list[int] | None = None) -> tuple[DraftTree, list[int], list[int], list[int] | None]:
+def _cut(
+    host: HostTree,
+    sources: list[int],
+    match: list[int],
+    total_tokens: int,
+    device: torch.device,
+    corpus_match: list[int] | None = None,
+) -> tuple[DraftTree, list[int], list[int], list[int] | None]:
     """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host;
     per node its sources, context match and corpus match (None stays None). The scores are rounded to the tree's fp32
     first, so that ties are those of the tensor it becomes."""
@@ -269,8 +316,13 @@ def _cut(host: HostTree, sources: list[int], match: list[int], total_tokens: int
     return DraftTree.from_lists(host, device), sources, match, corpus_match
 
 
-def prune_nodes(tree: DraftTree, sources: list[int], match: list[int], n: int, corpus_match: list[int] | None = None,
-                ) -> tuple[DraftTree, list[int], list[int], list[int] | None]:  # fmt: skip
+def prune_nodes(
+    tree: DraftTree,
+    sources: list[int],
+    match: list[int],
+    n: int,
+    corpus_match: list[int] | None = None,
+) -> tuple[DraftTree, list[int], list[int], list[int] | None]:
     """The root and the tree's `n` best nodes (the cost model's choice of size); per node its sources, context
     match and corpus match (None stays None)."""
     host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
@@ -361,5 +413,6 @@ def source_totals(per_cycle: list[tuple[int, ...]]) -> dict[str, int]:
     """The call's totals of `source_counts` tuples, as the generate output's `accepted_from_*` fields
     (`accepted_from_lookup`: the context alone; `accepted_from_both`: several sources)."""
     totals = [sum(counts[i] for counts in per_cycle) for i in range(len(SOURCE_NAMES))]
-    return dict(zip(("accepted_from_draft", "accepted_from_lookup", "accepted_from_corpus", "accepted_from_both"),
-                    totals))  # fmt: skip
+    return dict(
+        zip(("accepted_from_draft", "accepted_from_lookup", "accepted_from_corpus", "accepted_from_both"), totals)
+    )

@@ -167,8 +167,14 @@ def probe_row_exactness(
                     target.config, tree_attention_mask(torch.tensor(parents, device=device)), prefix, target.dtype
                 )
                 recorder.clear()
-                out = target(tokens[None], use_cache=True, position_ids=(prefix + depths)[None], attention_mask=mask,
-                             **cache_kwargs(tree_cache), **extra)  # fmt: skip
+                out = target(
+                    tokens[None],
+                    use_cache=True,
+                    position_ids=(prefix + depths)[None],
+                    attention_mask=mask,
+                    **cache_kwargs(tree_cache),
+                    **extra,
+                )
             tree_outputs, tree_inputs, order = dict(recorder.outputs), dict(recorder.inputs), list(recorder.order)
     finally:
         recorder.close()
@@ -179,11 +185,16 @@ def probe_row_exactness(
             first = _name_attention(name, tree_inputs, step_inputs)
             break
     return ProbeResult(
-        identical=difference == 0.0 and first is None, exact_verify=exact_verify,
-        attn_implementation=str(getattr(target.config, "_attn_implementation", None)), dtype=str(target.dtype),
-        threads=torch.get_num_threads(), nodes=len(parents), prefix=prefix, max_logit_difference=difference,
+        identical=difference == 0.0 and first is None,
+        exact_verify=exact_verify,
+        attn_implementation=str(getattr(target.config, "_attn_implementation", None)),
+        dtype=str(target.dtype),
+        threads=torch.get_num_threads(),
+        nodes=len(parents),
+        prefix=prefix,
+        max_logit_difference=difference,
         first_difference=first,
-    )  # fmt: skip
+    )
 
 
 def _name_attention(name: str, tree_inputs: dict, step_inputs: list[dict]) -> str:

@@ -86,8 +86,9 @@ class Proposer:
 
     needs_hidden_states = False
 
-    def prefill(self, run: DecodeRun, features: torch.Tensor | None, next_tokens: torch.Tensor,
-                valid: torch.Tensor) -> None:  # fmt: skip
+    def prefill(
+        self, run: DecodeRun, features: torch.Tensor | None, next_tokens: torch.Tensor, valid: torch.Tensor
+    ) -> None:
         """What the prompt's forward gave: per row and prompt column, the tapped features `[A, N, 3Ht]` (None without
         hidden states), the token that follows `[A, N]`, and whether the column is a real token `[A, N]`."""
 
@@ -95,8 +96,15 @@ class Proposer:
         """A tree per active row, rooted at `roots` `[A]` (each row's last token)."""
         raise NotImplementedError
 
-    def observe(self, run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None,
-                tokens: torch.Tensor, keep: torch.Tensor) -> None:  # fmt: skip
+    def observe(
+        self,
+        run: DecodeRun,
+        proposal: Proposal,
+        results: list[AcceptResult],
+        features: torch.Tensor | None,
+        tokens: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> None:
         """Each active row's accepted path (`results`), and per row the accepted tokens' features `[A, W, 3Ht]` with
         the token that follows each `[A, W]` (`keep` `[A, W]`: the column is one of the row's). The proposal's trees
         carry their `host` lists by then."""
@@ -140,8 +148,9 @@ class DraftProposer(Proposer):
         start, calls = time.perf_counter(), state.forward_calls
         if run.do_sample:
             grow = (lambda best, nodes: cost.worth_deeper(best * rows, nodes)) if run.adaptive_tree else None
-            trees = build_sampled_trees(self.draft, state, roots, replace(run.budget, grow=grow), run.temperature,
-                                        totals)  # fmt: skip
+            trees = build_sampled_trees(
+                self.draft, state, roots, replace(run.budget, grow=grow), run.temperature, totals
+            )
         else:
             budget = replace(run.budget, grow=cost.worth_deeper if run.adaptive_tree else None)
             trees = build_greedy_trees(self.draft, state, roots, budget)
@@ -231,8 +240,9 @@ class HybridProposer(Proposer):
 
     needs_hidden_states = True
 
-    def __init__(self, draft: Eagle3DraftModel, options: LookupOptions, corpus: CorpusSource | None = None,
-                 context: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, draft: Eagle3DraftModel, options: LookupOptions, corpus: CorpusSource | None = None, context: bool = True
+    ) -> None:
         self.draft = DraftProposer(draft)
         self.lookup = LookupProposer(options, corpus, context)
 
@@ -243,8 +253,14 @@ class HybridProposer(Proposer):
     def propose(self, run, roots) -> Proposal:
         tries = self.lookup.tries(run)
         # a lookup this sure of every row's next token leaves the draft little to add: skip its forward this cycle
-        confident = all(any(c.cond[i] >= self.lookup.options.confidence for i in range(1, c.trie.num_nodes)
-                            if c.trie.parents[i] == 0) for c in tries)  # fmt: skip
+        confident = all(
+            any(
+                c.cond[i] >= self.lookup.options.confidence
+                for i in range(1, c.trie.num_nodes)
+                if c.trie.parents[i] == 0
+            )
+            for c in tries
+        )
         consulted, worth = (False, False) if confident else self.draft.consult(run)
         if not worth:
             return Proposal(self.lookup.rows(run, roots, tries), consulted=consulted)
@@ -253,12 +269,15 @@ class HybridProposer(Proposer):
             room = total - 1 - run.budget.top_k  # leave the draft its first level
             chosen = [best_lookup_nodes(c.trie, c.cond, room) for c in tries]
             trees = self.draft.trees(run, roots, totals=[total - len(c) for c in chosen])
-            rows = [_sampled_graft(tree, cands, c) if c else RowTree(tree)
-                    for tree, cands, c in zip(trees, tries, chosen)]  # fmt: skip
+            rows = [
+                _sampled_graft(tree, cands, c) if c else RowTree(tree) for tree, cands, c in zip(trees, tries, chosen)
+            ]
         else:
             drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
-            rows = [RowTree(*graft_candidates(tree, cands, total)) if cands.trie.num_nodes > 1 else RowTree(tree)
-                    for tree, cands in zip(drafted, tries)]  # fmt: skip
+            rows = [
+                RowTree(*graft_candidates(tree, cands, total)) if cands.trie.num_nodes > 1 else RowTree(tree)
+                for tree, cands in zip(drafted, tries)
+            ]
         return Proposal(rows, consulted=True)
 
     def observe(self, run, proposal, results, features, tokens, keep) -> None:
@@ -273,8 +292,9 @@ class HybridProposer(Proposer):
         self.lookup.finish(run)
 
 
-def build_proposer(draft: Eagle3DraftModel | None, options: LookupOptions, context: bool,
-                   corpus: CorpusSource | None) -> Proposer:  # fmt: skip
+def build_proposer(
+    draft: Eagle3DraftModel | None, options: LookupOptions, context: bool, corpus: CorpusSource | None
+) -> Proposer:
     """A call's proposer: the draft's tree alone, the lookup sources' alone (no draft), or all in one tree
     (`context`: whether the context lookup is one of them; `corpus`: the corpus source, if any)."""
     if draft is None:
@@ -287,5 +307,6 @@ def build_proposer(draft: Eagle3DraftModel | None, options: LookupOptions, conte
 def _sampled_graft(tree: DraftTree, cands: Candidates, chosen: list[int]) -> RowTree:
     """A sampled tree with the lookup's `chosen` trie nodes as point-mass proposals (hybrid.graft_sampled)."""
     grafted = graft_sampled(tree, cands, chosen)
-    return RowTree(grafted.tree, grafted.sources, grafted.match, grafted.corpus_match, grafted.point_mass,
-                   grafted.draws)  # fmt: skip
+    return RowTree(
+        grafted.tree, grafted.sources, grafted.match, grafted.corpus_match, grafted.point_mass, grafted.draws
+    )

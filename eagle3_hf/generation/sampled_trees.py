@@ -52,7 +52,11 @@ class _RowTree:
 
 @torch.no_grad()
 def build_sampled_trees(
-    draft: Eagle3DraftModel, state: DraftState, roots: torch.Tensor, budget: TreeBudget, temperature: float,
+    draft: Eagle3DraftModel,
+    state: DraftState,
+    roots: torch.Tensor,
+    budget: TreeBudget,
+    temperature: float,
     totals: list[int] | None = None,
 ) -> list[DraftTree]:
     """A sampled tree per active row (roots `[A]`) of at most `totals[row]` nodes (default `budget.total_tokens`),
@@ -98,9 +102,14 @@ def build_sampled_trees(
         allowed = torch.cat([state.valid[:, None, :].expand(-1, kf, -1), allowed], dim=2)
         state.forward_calls += 1
         normed, feedback = draft_forward(
-            draft, state.kv, tokens, hidden, (state.positions + level - 1)[:, None].expand(-1, kf), prefix + fed,
+            draft,
+            state.kv,
+            tokens,
+            hidden,
+            (state.positions + level - 1)[:, None].expand(-1, kf),
+            prefix + fed,
             additive_mask(allowed, hidden.dtype),
-        )  # fmt: skip
+        )
         fed += kf
         q_levels = torch.softmax(draft.lm_head(normed).float() / temperature, dim=-1)  # [A, kf, Vd]
         for r, (row, frontier) in enumerate(zip(rows, frontiers)):

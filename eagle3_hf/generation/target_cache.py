@@ -23,9 +23,16 @@ from transformers.cache_utils import DynamicCache
 from eagle3_hf.generation.tree import DraftTree, tree_attention_mask
 
 __all__ = [
-    "PaddedTrees", "TargetColumns", "crop_cache", "editable_cache", "keep_paths", "pad_trees", "target_tree_mask",
-    "verify_mask", "worth_compacting",
-]  # fmt: skip
+    "PaddedTrees",
+    "TargetColumns",
+    "crop_cache",
+    "editable_cache",
+    "keep_paths",
+    "pad_trees",
+    "target_tree_mask",
+    "verify_mask",
+    "worth_compacting",
+]
 
 # Compact a cache when compaction would drop at least this many columns, and this fraction of the longest row's
 # tokens (see `worth_compacting`).
@@ -125,8 +132,9 @@ def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTree
         depths[row, :n] = tree.depths
         if n > 1:
             mask[row, :n, :n] = tree_attention_mask(tree.parents, check=False)  # the loop's own trees
-    return PaddedTrees(tokens=tokens, positions=next_position[:, None] + depths, mask=mask,
-                       sizes=[tree.num_nodes for tree in trees])  # fmt: skip
+    return PaddedTrees(
+        tokens=tokens, positions=next_position[:, None] + depths, mask=mask, sizes=[tree.num_nodes for tree in trees]
+    )
 
 
 def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, config: Any) -> Any:

@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 import torch
 
-
 __all__ = [
     "DraftTree",
     "HostTree",
@@ -101,7 +100,7 @@ class DraftTree:
         parents: torch.Tensor,
         scores: torch.Tensor,
         draft_probs: torch.Tensor | None = None,
-    ) -> "DraftTree":
+    ) -> DraftTree:
         """Build a tree, deriving the depths from `parents`."""
         return cls(tokens=tokens, parents=parents, depths=tree_depths(parents), scores=scores, draft_probs=draft_probs)
 
@@ -112,9 +111,12 @@ class DraftTree:
         for node in range(1, len(host.parents)):
             depths[node] = depths[host.parents[node]] + 1
         return cls(
-            tokens=torch.tensor(host.tokens, device=device), parents=torch.tensor(host.parents, device=device),
-            depths=torch.tensor(depths, device=device), scores=torch.tensor(host.scores, device=device),
-            draft_probs=draft_probs, host=host,
+            tokens=torch.tensor(host.tokens, device=device),
+            parents=torch.tensor(host.parents, device=device),
+            depths=torch.tensor(depths, device=device),
+            scores=torch.tensor(host.scores, device=device),
+            draft_probs=draft_probs,
+            host=host,
         )
 
     @staticmethod

@@ -23,7 +23,6 @@ import torch
 
 from .tree import children_lists
 
-
 __all__ = ["AcceptResult", "greedy_accept", "greedy_walk", "rrs_step", "sample_accept"]
 
 ProbsSource = torch.Tensor | Callable[[int], torch.Tensor]
@@ -54,9 +53,7 @@ class AcceptResult:
 
 def _check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
     if tokens.dim() != 1 or parents.shape != tokens.shape:
-        raise ValueError(
-            f"expected tokens [T] and parents [T], got {tuple(tokens.shape)} and {tuple(parents.shape)}"
-        )
+        raise ValueError(f"expected tokens [T] and parents [T], got {tuple(tokens.shape)} and {tuple(parents.shape)}")
 
 
 def greedy_accept(

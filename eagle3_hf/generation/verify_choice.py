@@ -28,7 +28,14 @@ from transformers import PreTrainedModel
 from eagle3_hf.generation.exact_attention import SUPPORTED
 from eagle3_hf.generation.probe import ProbeResult, probe_row_exactness
 
-__all__ = ["EXACT_VERIFY_CHOICES", "PROVEN", "VerifyChoice", "check_exact_verify", "choose_verification", "probe_for_target"]
+__all__ = [
+    "EXACT_VERIFY_CHOICES",
+    "PROVEN",
+    "VerifyChoice",
+    "check_exact_verify",
+    "choose_verification",
+    "probe_for_target",
+]
 
 EXACT_VERIFY_CHOICES = ("auto", True, False)
 PROVEN = "the row-invariance probe proves it"  # how a reason for row-exact verification that is exact starts
@@ -91,8 +98,11 @@ def choose_verification(model: PreTrainedModel, exact_verify: Any = "auto", rows
         return VerifyChoice(False, f"a batch of {rows} verifies in one tree-masked call")
     implementation = getattr(model.config, "_attn_implementation", None)
     if model.device.type != "cpu" or implementation not in SUPPORTED:
-        return VerifyChoice(False, f"row-exact verification covers torch's CPU attention ({', '.join(SUPPORTED)}); "
-                                   f"this target runs {implementation} on {model.device.type}")  # fmt: skip
+        return VerifyChoice(
+            False,
+            f"row-exact verification covers torch's CPU attention ({', '.join(SUPPORTED)}); "
+            f"this target runs {implementation} on {model.device.type}",
+        )
     probe = probe_for_target(model)
     if probe.identical:
         return VerifyChoice(True, f"{PROVEN}: {probe.describe()}", probe)

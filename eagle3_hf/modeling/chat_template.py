@@ -23,8 +23,14 @@ logger = logging.getLogger(__name__)
 
 THINKING_VARIABLE = "enable_thinking"
 
-__all__ = ["THINKING_VARIABLE", "apply_chat_template", "describe_thinking", "has_thinking_switch",
-           "thinking_kwargs", "thinking_mismatch"]  # fmt: skip
+__all__ = [
+    "THINKING_VARIABLE",
+    "apply_chat_template",
+    "describe_thinking",
+    "has_thinking_switch",
+    "thinking_kwargs",
+    "thinking_mismatch",
+]
 
 _warned: set[str] = set()  # templates already warned about (name and digest), so that the warning comes once
 
@@ -53,14 +59,17 @@ def thinking_kwargs(tokenizer: Any, enable_thinking: bool | None) -> dict[str, b
             _warned.add(f"{name}:{digest}")
             logger.warning(
                 "%s has no effect: the chat template of %r never reads %s, so it renders the same text either way.",
-                describe_thinking(enable_thinking), name, THINKING_VARIABLE,
+                describe_thinking(enable_thinking),
+                name,
+                THINKING_VARIABLE,
             )
         return {}
     return {THINKING_VARIABLE: enable_thinking}
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], *, enable_thinking: bool | None = None,
-                        **kwargs: Any) -> Any:  # fmt: skip
+def apply_chat_template(
+    tokenizer: Any, messages: list[dict], *, enable_thinking: bool | None = None, **kwargs: Any
+) -> Any:
     """``tokenizer.apply_chat_template(messages, **kwargs)`` with the thinking setting passed as `thinking_kwargs`
     says; returns what transformers returns (text, ids or a dict, by `kwargs`)."""
     return tokenizer.apply_chat_template(messages, **kwargs, **thinking_kwargs(tokenizer, enable_thinking))

@@ -20,13 +20,23 @@ from safetensors import SafetensorError, safe_open
 from eagle3_hf.modeling.layouts import CONFIG_NAME, detect_layout, normalize_key
 from eagle3_hf.modeling.shipped import shipped_draft_folder, unknown_draft_hint
 
-__all__ = ["CORPUS_FILE", "HUB_KWARGS", "WEIGHT_FILES", "corpus_file", "open_safetensors", "read_checkpoint",
-           "read_weights"]  # fmt: skip
+__all__ = [
+    "CORPUS_FILE",
+    "HUB_KWARGS",
+    "WEIGHT_FILES",
+    "corpus_file",
+    "open_safetensors",
+    "read_checkpoint",
+    "read_weights",
+]
 
 # Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
 WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-)  # fmt: skip
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_only", "subfolder", "proxies")
 # A draft's corpus of its target's earlier answers, saved beside it (eagle3_hf.generation.corpus_index); never weights.
 CORPUS_FILE = "corpus.safetensors"
@@ -50,8 +60,10 @@ def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -
     try:
         root = snapshot_download(repo_id=path, allow_patterns=patterns, **hub_kwargs)
     except (OSError, HFValidationError) as err:
-        raise ValueError(f"{path!r} is neither a local checkpoint folder, a draft shipped with eagle3_hf "
-                         f"({unknown_draft_hint(path)}), nor a Hub repo that could be fetched: {err}") from err
+        raise ValueError(
+            f"{path!r} is neither a local checkpoint folder, a draft shipped with eagle3_hf "
+            f"({unknown_draft_hint(path)}), nor a Hub repo that could be fetched: {err}"
+        ) from err
     return os.path.join(root, subfolder)
 
 
@@ -73,10 +85,12 @@ def open_safetensors(path: str) -> Iterator[Any]:
     try:
         handle = safe_open(path, framework="pt")
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"Could not read {path!r}: it is not a safetensors file, or it is truncated or corrupt "
-                         f"({err}).") from err  # fmt: skip
+        raise ValueError(
+            f"Could not read {path!r}: it is not a safetensors file, or it is truncated or corrupt ({err})."
+        ) from err
     with handle as f:
         yield f
+
 
 def _read_file(path: str) -> dict[str, torch.Tensor]:
     try:
@@ -86,6 +100,7 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
         raise ValueError(f"Could not read the weights file {path!r}; it is truncated or corrupt: {err}") from err
+
 
 def read_weights(folder: str) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint folder (single file or sharded index), with their stored names."""
@@ -106,6 +121,7 @@ def read_weights(folder: str) -> dict[str, torch.Tensor]:
         content = _read_file(shard_path)
         tensors.update({k: v for k, v in content.items() if weight_map.get(k) == shard})
     return tensors
+
 
 def read_checkpoint(
     path_or_id: str | os.PathLike, **hub_kwargs: Any
@@ -131,4 +147,3 @@ def read_checkpoint(
             raise ValueError(f"{os.fspath(path_or_id)!r} holds two weights that both map to {name!r}.")
         state_dict[name] = tensor
     return layout, config, state_dict
-

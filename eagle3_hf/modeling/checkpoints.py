@@ -49,9 +49,14 @@ from eagle3_hf.modeling.layouts import (
 from eagle3_hf.modeling.target_fit import check_target, route_generate, take_target_embedding
 
 __all__ = [
-    "LAYOUTS", "detect_layout", "embeddings_match", "load_draft", "open_safetensors", "read_checkpoint",
+    "LAYOUTS",
+    "detect_layout",
+    "embeddings_match",
+    "load_draft",
+    "open_safetensors",
+    "read_checkpoint",
     "read_training_info",
-]  # fmt: skip
+]
 
 logger = hf_logging.get_logger(__name__)
 
@@ -136,9 +141,7 @@ def _prepare_vocab(state_dict: dict[str, torch.Tensor], config: Eagle3DraftConfi
     state_dict["d2t"], state_dict["t2d"] = d2t.long(), t2d
 
 
-def _check_state_dict(
-    cls: type, config: Eagle3DraftConfig, state_dict: dict[str, torch.Tensor], source: str
-) -> None:
+def _check_state_dict(cls: type, config: Eagle3DraftConfig, state_dict: dict[str, torch.Tensor], source: str) -> None:
     """Raise `ValueError` listing every missing, unexpected and misshapen weight (the embedding may be absent)."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
@@ -157,8 +160,10 @@ def _check_state_dict(
     if wrong:
         problems.append("wrong shape(s): " + "; ".join(wrong))
     if problems:
-        flags = {k: getattr(config, k) for k in ("layer_type", "num_hidden_layers", "norm_before_fc", "fc_norm",
-                                                 "attention_bias")}  # fmt: skip
+        flags = {
+            k: getattr(config, k)
+            for k in ("layer_type", "num_hidden_layers", "norm_before_fc", "fc_norm", "attention_bias")
+        }
         raise ValueError(f"{source} does not match its config {flags}: " + " | ".join(problems) + ".")
     from eagle3_hf.modeling.vocab_mapping import validate_vocab_mapping
 
@@ -245,9 +250,15 @@ def load_draft(
 
     with _quiet_transformers():
         draft, info = PreTrainedModel.from_pretrained.__func__(
-            cls, None, *model_args, config=config, state_dict=state_dict, dtype=dtype,
-            output_loading_info=True, **kwargs,
-        )  # fmt: skip
+            cls,
+            None,
+            *model_args,
+            config=config,
+            state_dict=state_dict,
+            dtype=dtype,
+            output_loading_info=True,
+            **kwargs,
+        )
     leftovers = (set(info["missing_keys"]) - {EMBED_KEY}) | set(info["unexpected_keys"]) | set(info["mismatched_keys"])
     if leftovers or info["error_msgs"]:
         problems = sorted(map(str, leftovers)) + list(info["error_msgs"])

@@ -256,8 +256,9 @@ class Eagle3DraftConfig(PretrainedConfig):
         try:
             config = family.config_class(**fields)
         except (StrictDataclassError, TypeError, ValueError) as err:  # transformers' strict configs check shapes
-            raise ValueError(f"Eagle3DraftConfig: its {self.layer_type} layers cannot be built: "
-                             f"{err.__cause__ or err}") from err  # fmt: skip
+            raise ValueError(
+                f"Eagle3DraftConfig: its {self.layer_type} layers cannot be built: {err.__cause__ or err}"
+            ) from err
         config._attn_implementation = self._attn_implementation
         return config
 
@@ -339,8 +340,10 @@ class Eagle3DraftConfig(PretrainedConfig):
 
     def resolved_target_layer_ids(self, num_target_layers: int) -> list[int]:
         """The tap ids, filling the default from the target's depth when the config has none."""
-        return list(self.target_layer_ids) if self.target_layer_ids is not None else default_target_layer_ids(
-            num_target_layers
+        return (
+            list(self.target_layer_ids)
+            if self.target_layer_ids is not None
+            else default_target_layer_ids(num_target_layers)
         )
 
 

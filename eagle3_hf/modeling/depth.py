@@ -57,12 +57,16 @@ def grow_draft_layers(draft: Eagle3DraftModel, num_hidden_layers: int) -> Eagle3
     grown = type(draft)(config).to(device=reference.device, dtype=reference.dtype)
     missing, unexpected = grown.load_state_dict(draft.state_dict(), strict=False)
     new_layers = grown.upper_layers[old - 1 :]  # upper_layers[i] is layer i + 1
-    expected_missing = {f"upper_layers.{i}.{key}" for i in range(old - 1, num_hidden_layers - 1)
-                        for key in grown.upper_layers[i].state_dict()}  # fmt: skip
+    expected_missing = {
+        f"upper_layers.{i}.{key}"
+        for i in range(old - 1, num_hidden_layers - 1)
+        for key in grown.upper_layers[i].state_dict()
+    }
     lost = sorted(set(missing) - expected_missing)
     if unexpected or lost:  # a subclass with other weights would lose them silently
-        raise ValueError(f"Could not carry {type(draft).__name__}'s weights over: missing {lost}, unexpected "
-                         f"{sorted(unexpected)}.")  # fmt: skip
+        raise ValueError(
+            f"Could not carry {type(draft).__name__}'s weights over: missing {lost}, unexpected {sorted(unexpected)}."
+        )
     with torch.no_grad():
         for layer in new_layers:
             for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):

@@ -53,8 +53,10 @@ def eagle_config_kwargs(
     if not isinstance(eagle, dict):
         raise ValueError(f"eagle_config must be a mapping, got {eagle!r}.")
     if eagle.get("use_aux_hidden_state", True) is False:
-        raise ValueError("eagle_config.use_aux_hidden_state=false: this draft reads no target taps (no fc); "
-                         "eagle3_hf drafts always fuse three.")  # fmt: skip
+        raise ValueError(
+            "eagle_config.use_aux_hidden_state=false: this draft reads no target taps (no fc); "
+            "eagle3_hf drafts always fuse three."
+        )
     fields = layer_fields(config, f"{WHERE} draft")
     fields["draft_vocab_size"] = config.get("draft_vocab_size") or config.get("truncated_vocab_size")
     fields["target_hidden_size"] = config.get("target_hidden_size")
@@ -85,9 +87,11 @@ def _fc_norm(config: dict[str, Any], keys: set[str]) -> bool:
     stated = config.get("fc_norm", config.get("use_aux_norm"))
     if stated is None and any(k.startswith("fc_norm.") for k in keys):
         # Loaded with them, as before; but neither server builds the norms without the flag.
-        _warn(f"The {WHERE} checkpoint holds fc_norm.* weights but its config.json has no fc_norm: applying them "
-              "(as trained), but vLLM and SGLang would not (SGLang drops the weights without a word): add "
-              '"fc_norm": true to its config.json before serving it.')  # fmt: skip
+        _warn(
+            f"The {WHERE} checkpoint holds fc_norm.* weights but its config.json has no fc_norm: applying them "
+            "(as trained), but vLLM and SGLang would not (SGLang drops the weights without a word): add "
+            '"fc_norm": true to its config.json before serving it.'
+        )
         return True
     return bool(stated or config.get("use_aux_norm"))
 
@@ -96,12 +100,16 @@ def _norm_before_fc(config: dict[str, Any], eagle: dict[str, Any]) -> bool:
     """vLLM reads ``eagle_config.norm_before_fc``, else the top-level one (NVIDIA's checkpoints state both)."""
     inner, outer = eagle.get("norm_before_fc"), config.get("norm_before_fc")
     if inner is not None and outer is not None and bool(inner) != bool(outer):
-        raise ValueError(f"The {WHERE} config has eagle_config.norm_before_fc={inner!r} but norm_before_fc={outer!r}; "
-                         "vLLM reads the first, so they must agree.")  # fmt: skip
+        raise ValueError(
+            f"The {WHERE} config has eagle_config.norm_before_fc={inner!r} but norm_before_fc={outer!r}; "
+            "vLLM reads the first, so they must agree."
+        )
     value = bool(inner if inner is not None else outer)
     if value:
-        _warn(f"The {WHERE} config sets norm_before_fc: true, which vLLM applies (and so does this load), but SGLang "
-              "and SpecForge have no such norm: SGLang runs this draft without it.")  # fmt: skip
+        _warn(
+            f"The {WHERE} config sets norm_before_fc: true, which vLLM applies (and so does this load), but SGLang "
+            "and SpecForge have no such norm: SGLang runs this draft without it."
+        )
     return value
 
 
@@ -109,8 +117,10 @@ def _norm_before_residual(config: dict[str, Any]) -> bool:
     """vLLM reads it from any config; SGLang and SpecForge never apply it (their residual is the un-normed state)."""
     value = bool(config.get("norm_before_residual", False))
     if value:
-        _warn(f"The {WHERE} config sets norm_before_residual: true, which vLLM applies (and so does this load), but "
-              "SGLang and SpecForge do not: SGLang runs this draft with the un-normed residual.")  # fmt: skip
+        _warn(
+            f"The {WHERE} config sets norm_before_residual: true, which vLLM applies (and so does this load), but "
+            "SGLang and SpecForge do not: SGLang runs this draft with the un-normed residual."
+        )
     return value
 
 
@@ -137,8 +147,11 @@ def _taps(config: dict[str, Any], eagle: dict[str, Any], given: list[int] | None
     if inner is not None:
         ids = three_taps(inner, f"{WHERE} eagle_config.eagle_aux_hidden_state_layer_ids")
         plus_one = [i + 1 for i in ids]
-        readings = [(plus_one, "SGLang and SpecForge (output-of-layer ids)")] if ids[0] == 1 else [
-            (ids, _NEW_SGLANG), (plus_one, _OLD_READERS)]  # fmt: skip
+        readings = (
+            [(plus_one, "SGLang and SpecForge (output-of-layer ids)")]
+            if ids[0] == 1
+            else [(ids, _NEW_SGLANG), (plus_one, _OLD_READERS)]
+        )
     if outer is not None:
         ids = three_taps(outer, f"{WHERE} eagle_aux_hidden_state_layer_ids")
         if readings and ids not in [r for r, _ in readings]:
@@ -150,8 +163,10 @@ def _taps(config: dict[str, Any], eagle: dict[str, Any], given: list[int] | None
         readings = [(ids, "vLLM (top-level, input-of-layer ids)")] + [r for r in readings if r[0] != ids]
     if not readings:
         if given is not None:
-            raise ValueError(f"target_layer_ids={given} was passed, but the {WHERE} checkpoint names no taps: every "
-                             "reader taps 2, L//2, L-3 (the default).")  # fmt: skip
+            raise ValueError(
+                f"target_layer_ids={given} was passed, but the {WHERE} checkpoint names no taps: every "
+                "reader taps 2, L//2, L-3 (the default)."
+            )
         return None
     what = f"the {WHERE} config's tap ids (eagle_aux_hidden_state_layer_ids={outer}, eagle_config's {inner})"
     return choose_reading("target_layer_ids", readings, given, what, _warn)
@@ -162,22 +177,30 @@ def eagle_export_problems(config: Eagle3DraftConfig) -> list[str]:
     with the reason (empty: nothing)."""
     problems = []
     if config.num_hidden_layers != 1:
-        problems.append(f"num_hidden_layers={config.num_hidden_layers} (it holds one decoder layer; save a deeper "
-                        "draft in the native or speculators layout)")  # fmt: skip
+        problems.append(
+            f"num_hidden_layers={config.num_hidden_layers} (it holds one decoder layer; save a deeper "
+            "draft in the native or speculators layout)"
+        )
     if config.layer_type != "llama":
         problems.append(f"layer_type={config.layer_type!r} (the layout builds a Llama layer)")
     if config.norm_before_residual:
-        problems.append("norm_before_residual=True (vLLM applies it, SGLang and SpecForge do not; save in the "
-                        "speculators layout, which vLLM serves)")  # fmt: skip
+        problems.append(
+            "norm_before_residual=True (vLLM applies it, SGLang and SpecForge do not; save in the "
+            "speculators layout, which vLLM serves)"
+        )
     if config.norm_before_fc:
-        problems.append("norm_before_fc=True (vLLM applies it, but SGLang and SpecForge have no such norm: SGLang "
-                        "would drop input_norm.weight without a word; save in the speculators layout, which vLLM "
-                        "serves)")  # fmt: skip
+        problems.append(
+            "norm_before_fc=True (vLLM applies it, but SGLang and SpecForge have no such norm: SGLang "
+            "would drop input_norm.weight without a word; save in the speculators layout, which vLLM "
+            "serves)"
+        )
     ids = config.target_layer_ids
     if ids is not None and ids[0] != 2:
-        problems.append(f"target_layer_ids={ids} (SGLang reads the layout's output-of-layer ids as such only when the "
-                        "first is 1, i.e. a first tap of 2, and reads any other one layer apart since its PR #25454 "
-                        "from before it; save in the native or speculators layout)")  # fmt: skip
+        problems.append(
+            f"target_layer_ids={ids} (SGLang reads the layout's output-of-layer ids as such only when the "
+            "first is 1, i.e. a first tap of 2, and reads any other one layer apart since its PR #25454 "
+            "from before it; save in the native or speculators layout)"
+        )
     return problems
 
 

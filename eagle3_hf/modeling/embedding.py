@@ -20,9 +20,15 @@ import torch
 from transformers import PreTrainedModel
 
 __all__ = [
-    "embedding_mismatch", "embeddings_match", "finer", "resolve_include_embedding", "set_embedding", "stored_embedding",
-    "target_embedding", "whole_tensor",
-]  # fmt: skip
+    "embedding_mismatch",
+    "embeddings_match",
+    "finer",
+    "resolve_include_embedding",
+    "set_embedding",
+    "stored_embedding",
+    "target_embedding",
+    "whole_tensor",
+]
 
 _ROWS = 8192  # rows compared at a time: a 128k x 4k embedding in float32 is 2 GB
 # The dtypes a copy of the target's embedding is commonly rounded to (half-precision training or exports).

@@ -14,14 +14,23 @@ from typing import Any
 from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
 
 __all__ = [
-    "NORM_PAIR", "check_tap_count", "choose_reading", "common_fields", "layer_fields", "required", "rope_legacy",
-    "rope_parameters_from", "three_taps",
-]  # fmt: skip
+    "NORM_PAIR",
+    "check_tap_count",
+    "choose_reading",
+    "common_fields",
+    "layer_fields",
+    "required",
+    "rope_legacy",
+    "rope_parameters_from",
+    "three_taps",
+]
 
 _DEFAULT_ROPE_THETA = 10000.0
 # Both fusion norms: this package applies the per-tap ones first, vLLM the joint one first, speculators neither.
-NORM_PAIR = ("fc_norm=True with norm_before_fc=True (speculators refuses the pair, vLLM applies input_norm before the "
-             "per-tap norms and eagle3_hf after them, so no reader runs the same draft)")  # fmt: skip
+NORM_PAIR = (
+    "fc_norm=True with norm_before_fc=True (speculators refuses the pair, vLLM applies input_norm before the "
+    "per-tap norms and eagle3_hf after them, so no reader runs the same draft)"
+)
 
 
 def required(config: dict[str, Any], names: Iterable[str], where: str) -> None:
@@ -61,8 +70,9 @@ def layer_fields(config: dict[str, Any], where: str, deep: bool = False) -> dict
     if deep and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
         raise ValueError(f"The {where} config has num_hidden_layers={depth!r}; expected an integer >= 1.")
     if not deep and depth != 1:
-        raise ValueError(f"The {where} config has num_hidden_layers={depth}; drafts in this layout have exactly 1 "
-                         "decoder layer.")  # fmt: skip
+        raise ValueError(
+            f"The {where} config has num_hidden_layers={depth}; drafts in this layout have exactly 1 decoder layer."
+        )
     return {
         "num_hidden_layers": depth,
         "vocab_size": int(config["vocab_size"]),
@@ -122,16 +132,22 @@ def check_tap_count(count: Any, where: str) -> None:
     """Raise `ValueError` unless `count` (``num_aux_hidden_states``: vLLM and SGLang size ``fc`` by it) is absent or
     3, the taps an eagle3_hf draft fuses."""
     if count is not None and count != 3:
-        raise ValueError(f"The {where} config has num_aux_hidden_states={count!r}; eagle3_hf drafts fuse exactly 3 "
-                         "target taps.")  # fmt: skip
+        raise ValueError(
+            f"The {where} config has num_aux_hidden_states={count!r}; eagle3_hf drafts fuse exactly 3 target taps."
+        )
 
 
 def three_taps(ids: Any, where: str) -> list[int]:
     """`ids` as a list of three non-negative integers, else `ValueError` naming it."""
-    if not isinstance(ids, (list, tuple)) or len(ids) != 3 or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):  # fmt: skip
-        raise ValueError(f"The {where} are {ids!r}; expected three non-negative layer ids (eagle3_hf drafts fuse "
-                         "exactly 3 target taps).")  # fmt: skip
+    if (
+        not isinstance(ids, (list, tuple))
+        or len(ids) != 3
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise ValueError(
+            f"The {where} are {ids!r}; expected three non-negative layer ids (eagle3_hf drafts fuse "
+            "exactly 3 target taps)."
+        )
     return [int(i) for i in ids]
 
 
@@ -153,8 +169,10 @@ def choose_reading(
         return given
     if len(readings) > 1 and warn is not None:
         (first, who), others = readings[0], readings[1:]
-        warn(f"{what[0].upper()}{what[1:]}: read as {name}={first!r}, the way {who} read it; "
-             + "; ".join(f"{w} read it as {name}={v!r}" for v, w in others)
-             + f". Pass {name}=... to from_pretrained (eagle3-hf train: the matching flag) to choose one and silence "
-             "this warning.")  # fmt: skip
+        warn(
+            f"{what[0].upper()}{what[1:]}: read as {name}={first!r}, the way {who} read it; "
+            + "; ".join(f"{w} read it as {name}={v!r}" for v, w in others)
+            + f". Pass {name}=... to from_pretrained (eagle3-hf train: the matching flag) to choose one and silence "
+            "this warning."
+        )
     return values[0]

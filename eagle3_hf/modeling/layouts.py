@@ -34,10 +34,10 @@ from eagle3_hf.modeling.eagle_layout import (  # noqa: F401  (eagle_config_kwarg
     eagle_export_problems,
 )
 from eagle3_hf.modeling.embedding import resolve_include_embedding, stored_embedding
-from eagle3_hf.utils.hub import is_hub_id  # noqa: F401  (is_hub_id: re-exported)
 from eagle3_hf.modeling.identity import target_identity
 from eagle3_hf.modeling.layer_keys import from_numbered, to_numbered
 from eagle3_hf.modeling.layout_fields import NORM_PAIR, check_tap_count, common_fields, layer_fields, three_taps
+from eagle3_hf.utils.hub import is_hub_id  # noqa: F401  (is_hub_id: re-exported)
 
 NATIVE, SPECULATORS, EAGLE = "native", "speculators", "eagle"
 LAYOUTS = (NATIVE, SPECULATORS, EAGLE)
@@ -258,11 +258,14 @@ def save_speculators(
     if include_embedding is False or (embedding is None and not draft.embedding_loaded):
         raise ValueError(
             "The speculators layout must carry the token embedding (speculators would load zeros in its place), but "
-            + ("include_embedding=False was passed" if include_embedding is False else "this draft has none (its "
-               "checkpoint left it out)")
+            + (
+                "include_embedding=False was passed"
+                if include_embedding is False
+                else "this draft has none (its checkpoint left it out)"
+            )
             + ": load the draft with its target (from_pretrained(path, target=target), or `eagle3-hf convert SRC "
             "DST --to speculators --target NAME_OR_PATH`)."
-        )  # fmt: skip
+        )
     config = speculators_config_dict(
         draft.config, _dtype_name(draft), speculative_tokens=draft.config.tree_depth, target_id=target_id
     )

@@ -13,9 +13,7 @@ __all__ = ["additive_mask", "causal_mask"]
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask (True = attend) -> additive float mask (0 / finfo.min), right for eager and sdpa."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def causal_mask(

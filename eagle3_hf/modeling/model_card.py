@@ -45,10 +45,16 @@ def _eval_results(metrics: Mapping[str, Any]) -> list[EvalResult]:
 
     def add(metric_type: str, metric_name: str, value: Any) -> None:
         if value is not None:
-            results.append(EvalResult(
-                task_type="text-generation", task_name="speculative decoding", metric_type=metric_type,
-                metric_name=metric_name, metric_value=round(float(value), 4), **_BENCH_DATASET,
-            ))  # fmt: skip
+            results.append(
+                EvalResult(
+                    task_type="text-generation",
+                    task_name="speculative decoding",
+                    metric_type=metric_type,
+                    metric_name=metric_name,
+                    metric_value=round(float(value), 4),
+                    **_BENCH_DATASET,
+                )
+            )
 
     add("mean_accepted_tokens", "tau (tree)", metrics.get("tau"))
     add("mean_accepted_tokens_chain", "tau (chain)", metrics.get("tau_chain"))
@@ -90,9 +96,13 @@ def build_model_card(
     name = f"EAGLE-3 draft for {target or 'its target'}"
     results = _eval_results(metrics)
     card_data = ModelCardData(
-        base_model=base_model, library_name=LIBRARY_NAME, tags=list(TAGS), datasets=datasets,
-        model_name=name if results else None, eval_results=results or None,
-    )  # fmt: skip
+        base_model=base_model,
+        library_name=LIBRARY_NAME,
+        tags=list(TAGS),
+        datasets=datasets,
+        model_name=name if results else None,
+        eval_results=results or None,
+    )
     fields = {
         "target_name": target or "an unrecorded target",
         "target_architectures": ", ".join(config.get("target_architectures") or []),

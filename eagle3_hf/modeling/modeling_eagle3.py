@@ -30,17 +30,17 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from eagle3_hf.utils.atomic import apply_umask
 from eagle3_hf.modeling.checkpoints import load_draft
+from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
+from eagle3_hf.modeling.decoder_layer import DraftAttention, Eagle3DecoderLayer
 from eagle3_hf.modeling.embedding import set_embedding, stored_embedding, target_embedding
 from eagle3_hf.modeling.families import get_family
 from eagle3_hf.modeling.head import Eagle3Head
 from eagle3_hf.modeling.masks import additive_mask, causal_mask
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
-from eagle3_hf.modeling.configuration_eagle3 import Eagle3DraftConfig
-from eagle3_hf.modeling.decoder_layer import DraftAttention, Eagle3DecoderLayer
 from eagle3_hf.modeling.target_fit import check_target, route_generate, take_target_embedding
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
+from eagle3_hf.utils.atomic import apply_umask
 
 # What training recorded about a draft (data, steps, command), saved next to it and shown on its model card.
 TRAINING_INFO_NAME = "training_info.json"
@@ -261,7 +261,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 "`Eagle3DraftModel.from_pretrained(path, target=target)` or `draft.load_target_embedding(target)`."
             )
         if attention is not None and (cache is not None or use_cache):
-            raise ValueError("Give Eagle3DraftModel.forward a cache or an `attention` (which keeps its keys), not both.")
+            raise ValueError(
+                "Give Eagle3DraftModel.forward a cache or an `attention` (which keeps its keys), not both."
+            )
         batch, seq = input_ids.shape
         if hidden_states is None:
             hidden_states = self.fuse(target_hidden_states)
@@ -375,9 +377,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, include_embedding=include_embedding, **save_kwargs)
             return api.upload_folder(
-                repo_id=repo_id, folder_path=folder, commit_message=commit_message or "Upload EAGLE-3 draft",
-                revision=revision, create_pr=create_pr,
-            )  # fmt: skip
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message or "Upload EAGLE-3 draft",
+                revision=revision,
+                create_pr=create_pr,
+            )
 
     def __getattr__(self, name: str) -> Any:
         if name == "generation_config":

@@ -71,8 +71,9 @@ def shipped_gguf(short_name: str) -> tuple[str, str]:
         )
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(folder, filename)):
-        raise ValueError(f"The {package!r} package at {folder!r} does not contain {filename!r}; reinstall it with "
-                         f"`{install}`.")  # fmt: skip
+        raise ValueError(
+            f"The {package!r} package at {folder!r} does not contain {filename!r}; reinstall it with `{install}`."
+        )
     return folder, filename
 
 
@@ -95,8 +96,10 @@ def shipped_draft_path(target_name: str) -> str:
         )
     path = shipped_draft_folder(SHIPPED_DRAFTS[key])
     if path is None:
-        raise ValueError(f"The shipped draft for {target_name!r}, {SHIPPED_DRAFTS[key]!r}, is missing from this "
-                         "installation (eagle3_hf/drafts/); reinstall eagle3-hf.")  # fmt: skip
+        raise ValueError(
+            f"The shipped draft for {target_name!r}, {SHIPPED_DRAFTS[key]!r}, is missing from this "
+            "installation (eagle3_hf/drafts/); reinstall eagle3-hf."
+        )
     return path
 
 

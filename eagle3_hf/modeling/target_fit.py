@@ -88,5 +88,7 @@ def route_generate(draft: Any, target: PreTrainedModel, required: bool = False) 
     if "bind" in _BINDERS:
         _BINDERS["bind"](draft, target)
     elif required:
-        raise RuntimeError("No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation "
-                           "(`from eagle3_hf import Eagle3DraftModel` does).")  # fmt: skip
+        raise RuntimeError(
+            "No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation "
+            "(`from eagle3_hf import Eagle3DraftModel` does)."
+        )

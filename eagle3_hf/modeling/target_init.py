@@ -46,8 +46,10 @@ def _copy(name: str, destination: torch.Tensor, source: torch.Tensor, copied: li
     if tuple(destination.shape) != tuple(source.shape):
         logger.warning(
             "Target-derived init: %s skipped, the draft's is %s and the target's %s.",
-            name, tuple(destination.shape), tuple(source.shape),
-        )  # fmt: skip
+            name,
+            tuple(destination.shape),
+            tuple(source.shape),
+        )
         return
     with torch.no_grad():
         destination.copy_(source.detach().to(destination.device, destination.dtype))
@@ -98,20 +100,29 @@ def init_layer_from_target(draft: Any, target: PreTrainedModel, layer_index: int
         raise ValueError(f"layer_index must index the target's {len(layers)} layers, got {layer_index}.")
     source, layer = layers[layer_index], draft.midlayer
     copied: list[str] = []
-    for prefix, theirs, ours in (("mlp", source.mlp, layer.mlp),
-                                 ("self_attn.o_proj", source.self_attn.o_proj, layer.self_attn.o_proj)):  # fmt: skip
+    for prefix, theirs, ours in (
+        ("mlp", source.mlp, layer.mlp),
+        ("self_attn.o_proj", source.self_attn.o_proj, layer.self_attn.o_proj),
+    ):
         own = dict(ours.named_parameters())
         for name, param in theirs.named_parameters():
             if name in own:
                 _copy(f"midlayer.{prefix}.{name}", own[name], param, copied)
             else:
                 logger.warning("Target-derived init: the draft layer has no %s.%s; skipped.", prefix, name)
-    norms = [("input_layernorm", "input_layernorm"), ("input_layernorm", "hidden_norm"),
-             ("post_attention_layernorm", "post_attention_layernorm")]  # fmt: skip
+    norms = [
+        ("input_layernorm", "input_layernorm"),
+        ("input_layernorm", "hidden_norm"),
+        ("post_attention_layernorm", "post_attention_layernorm"),
+    ]
     for their_norm, our_norm in norms:
         if hasattr(source, their_norm):
-            _copy(f"midlayer.{our_norm}.weight", getattr(layer, our_norm).weight, getattr(source, their_norm).weight,
-                  copied)  # fmt: skip
+            _copy(
+                f"midlayer.{our_norm}.weight",
+                getattr(layer, our_norm).weight,
+                getattr(source, their_norm).weight,
+                copied,
+            )
     logger.info("Target-derived init: copied %s from target layer %d.", ", ".join(copied) or "nothing", layer_index)
     return copied
 
@@ -145,6 +156,9 @@ def remap_draft_vocab(draft: Any, d2t: torch.Tensor, t2d: torch.Tensor) -> int:
     draft.config.draft_vocab_size = d2t.numel()
     draft.register_buffer("d2t", d2t.to(draft.t2d.device, torch.long).clone())
     draft.t2d.copy_(t2d.to(draft.t2d.device, torch.bool))
-    logger.info("Draft vocabulary remapped: %d ids kept their head rows, %d new ones start at zero.",
-                int(shared.sum()), int((~shared).sum()))  # fmt: skip
+    logger.info(
+        "Draft vocabulary remapped: %d ids kept their head rows, %d new ones start at zero.",
+        int(shared.sum()),
+        int((~shared).sum()),
+    )
     return int(shared.sum())

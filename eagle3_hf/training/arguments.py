@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
-    "DEFAULT_HELD_OUT_FRACTION", "DEFAULT_MIN_COVERAGE", "DEFAULT_TOP_K", "LOSSES", "SPLITS", "Eagle3TrainingOptions",
+    "DEFAULT_HELD_OUT_FRACTION",
+    "DEFAULT_MIN_COVERAGE",
+    "DEFAULT_TOP_K",
+    "LOSSES",
+    "SPLITS",
+    "Eagle3TrainingOptions",
     "check_loss",
 ]
 
@@ -53,13 +58,17 @@ class Eagle3TrainingOptions:
     ttt_decay: float = field(default=0.8, metadata={"help": "loss weight of TTT step j is ttt_decay**j"})
     feature_mode: str = field(default="online", metadata={"help": "'online' or 'offline' target features"})
     logits_top_k: int = field(
-        default=DEFAULT_TOP_K, metadata={"help": "target logits per token the soft labels are built from (online; "
-                                                 "offline features carry their own)"},
-    )  # fmt: skip
+        default=DEFAULT_TOP_K,
+        metadata={
+            "help": "target logits per token the soft labels are built from (online; offline features carry their own)"
+        },
+    )
     draft_vocab_size: int | None = field(
         default=None,
-        metadata={"help": "size of the draft's head; None: the target's vocabulary (the train command also takes "
-                          "'auto': the smallest of 4096/8192/16384/32768 reaching --min-coverage held out)"},
+        metadata={
+            "help": "size of the draft's head; None: the target's vocabulary (the train command also takes "
+            "'auto': the smallest of 4096/8192/16384/32768 reaching --min-coverage held out)"
+        },
     )
     max_length: int | None = field(default=2048, metadata={"help": "tokens per conversation (longer ones are cut)"})
     build_draft_vocab: bool = field(
@@ -67,14 +76,18 @@ class Eagle3TrainingOptions:
     )
     packing: bool = field(
         default=False,
-        metadata={"help": "pack each batch's conversations into rows of up to --max-length tokens, each attending "
-                          "within itself (fewer padded positions; the loss is the padded batch's)"},
-    )  # fmt: skip
+        metadata={
+            "help": "pack each batch's conversations into rows of up to --max-length tokens, each attending "
+            "within itself (fewer padded positions; the loss is the padded batch's)"
+        },
+    )
     loss: Literal["forward_kl", "tv", "lk"] = field(
         default="forward_kl",
-        metadata={"help": "objective of each TTT step: forward_kl (soft cross entropy, EAGLE-3's), tv (total "
-                          "variation) or lk (-log acceptance, arXiv 2602.23881)"},
-    )  # fmt: skip
+        metadata={
+            "help": "objective of each TTT step: forward_kl (soft cross entropy, EAGLE-3's), tv (total "
+            "variation) or lk (-log acceptance, arXiv 2602.23881)"
+        },
+    )
 
     def check_eagle3_options(self) -> None:
         """Raise `ValueError` naming the first option whose value cannot train a draft."""
@@ -109,8 +122,10 @@ class Eagle3TrainingOptions:
             raise ValueError(f"metric_for_best_model must be one of the evaluation metrics {known}; got {metric!r}.")
         if name == "sim_accept_len" or name.startswith(("acc_", "coverage")):
             if getattr(self, "greater_is_better", None) is False:
-                raise ValueError(f"metric_for_best_model={metric!r} is better when higher; greater_is_better=False "
-                                 "would keep the worst checkpoint.")  # fmt: skip
+                raise ValueError(
+                    f"metric_for_best_model={metric!r} is better when higher; greater_is_better=False "
+                    "would keep the worst checkpoint."
+                )
             self.greater_is_better = True
 
 

@@ -24,8 +24,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from eagle3_hf.utils.atomic import replace_path
 
 __all__ = [
-    "STAGING_NAME", "RemoveCheckpointsOnTrainBegin", "WholeCheckpoints", "find_resume_checkpoint",
-    "incomplete_reason", "list_checkpoints", "set_aside",
+    "STAGING_NAME",
+    "RemoveCheckpointsOnTrainBegin",
+    "WholeCheckpoints",
+    "find_resume_checkpoint",
+    "incomplete_reason",
+    "list_checkpoints",
+    "set_aside",
 ]
 
 STAGING_NAME = f".{PREFIX_CHECKPOINT_DIR}-staging.tmp"  # the same name on every process (FSDP writes on all)
@@ -40,8 +45,11 @@ def list_checkpoints(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.fullmatch(name))]
-    return [os.path.join(output_dir, name) for _, name in sorted(found, reverse=True)
-            if os.path.isdir(os.path.join(output_dir, name))]  # fmt: skip
+    return [
+        os.path.join(output_dir, name)
+        for _, name in sorted(found, reverse=True)
+        if os.path.isdir(os.path.join(output_dir, name))
+    ]
 
 
 def incomplete_reason(checkpoint: str) -> str | None:

@@ -111,8 +111,10 @@ class Eagle3DataCollator:
                 out[r, : filled[r]] = torch.cat([values[i] for i in group])
             batch[key] = out
         if self.packing:  # each conversation from 0, and the padding after them as one more
-            batch["position_ids"] = torch.stack([
-                torch.cat([torch.arange(n) for n in [*(lengths[i] for i in group), width - fill_]])
-                for group, fill_ in zip(groups, filled)
-            ])  # fmt: skip
+            batch["position_ids"] = torch.stack(
+                [
+                    torch.cat([torch.arange(n) for n in [*(lengths[i] for i in group), width - fill_]])
+                    for group, fill_ in zip(groups, filled)
+                ]
+            )
         return batch

@@ -56,9 +56,14 @@ def answer_spans(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def corpus_documents(tokenizer: Any, data: str | os.PathLike | Sequence[str | os.PathLike], *,
-                     exclude: Collection[str], num_proc: int | None = None, enable_thinking: bool | None = None,
-                     ) -> tuple[list[list[int]], CorpusStats]:  # fmt: skip
+def corpus_documents(
+    tokenizer: Any,
+    data: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    exclude: Collection[str],
+    num_proc: int | None = None,
+    enable_thinking: bool | None = None,
+) -> tuple[list[list[int]], CorpusStats]:
     """The token ids of every assistant answer in `data` (one source or several, as `read_conversations` reads
     them), tokenised with `tokenizer` as training does, leaving out each conversation with a user turn among
     `exclude` (normalised prompts; pass an empty set to keep every one) and rendering with the template's thinking
@@ -73,11 +78,17 @@ def corpus_documents(tokenizer: Any, data: str | os.PathLike | Sequence[str | os
     stats = CorpusStats(conversations_read=len(conversations))
     conversations, stats.conversations_excluded = exclude_prompts(conversations, set(exclude))
     if not conversations:
-        raise ValueError(f"No conversation is left of the {stats.conversations_read} read from {sources}: every one "
-                         "asks an evaluation prompt (or there were none).")  # fmt: skip
-    dataset, _ = build_dataset(conversations, tokenizer, max_length=_WHOLE, num_proc=num_proc,
-                               enable_thinking=enable_thinking)  # fmt: skip
-    documents = [ids[start:end] for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
-                 for start, end in answer_spans(mask)]  # fmt: skip
+        raise ValueError(
+            f"No conversation is left of the {stats.conversations_read} read from {sources}: every one "
+            "asks an evaluation prompt (or there were none)."
+        )
+    dataset, _ = build_dataset(
+        conversations, tokenizer, max_length=_WHOLE, num_proc=num_proc, enable_thinking=enable_thinking
+    )
+    documents = [
+        ids[start:end]
+        for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
+        for start, end in answer_spans(mask)
+    ]
     stats.answers, stats.tokens = len(documents), sum(map(len, documents))
     return documents, stats

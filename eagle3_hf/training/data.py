@@ -24,7 +24,10 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_hf.modeling.chat_template import apply_chat_template
 from eagle3_hf.training.data_files import (  # noqa: F401 (DATA_SUFFIXES, is_dataset_id: re-exported)
-    DATA_SUFFIXES, is_dataset_id, not_utf8_error, read_records,
+    DATA_SUFFIXES,
+    is_dataset_id,
+    not_utf8_error,
+    read_records,
 )
 
 logger = logging.getLogger(__name__)
@@ -126,9 +129,7 @@ def normalize_conversation(record: Mapping | list, index: int) -> dict:
     }
 
 
-def read_conversations(
-    source: str | os.PathLike | Dataset | Iterable, limit: int | None = None
-) -> list[dict]:
+def read_conversations(source: str | os.PathLike | Dataset | Iterable, limit: int | None = None) -> list[dict]:
     """Read conversations from a data file, a folder of them, a Hub dataset id, a `datasets.Dataset` or an iterable.
 
     Files are JSON (a list), JSON Lines, either gzip-compressed (``.json.gz``, ``.jsonl.gz``), or parquet, read with
@@ -180,10 +181,19 @@ def _chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
     return template
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False,
-            enable_thinking: bool | None = None) -> str:  # fmt: skip
-    return apply_chat_template(tokenizer, messages, enable_thinking=enable_thinking, tokenize=False,
-                               add_generation_prompt=add_generation_prompt)  # fmt: skip
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    add_generation_prompt: bool = False,
+    enable_thinking: bool | None = None,
+) -> str:
+    return apply_chat_template(
+        tokenizer,
+        messages,
+        enable_thinking=enable_thinking,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
 
 
 def _opening_header(tokenizer: PreTrainedTokenizerBase, message: dict, enable_thinking: bool | None = None) -> str:
@@ -202,8 +212,9 @@ def _opening_header(tokenizer: PreTrainedTokenizerBase, message: dict, enable_th
     return text[: text.index(placeholder)]
 
 
-def assistant_char_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-                         enable_thinking: bool | None = None) -> tuple[str, list[tuple[int, int]]]:  # fmt: skip
+def assistant_char_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """Render `messages` and locate each assistant turn in the text by rendering progressively.
 
     The assistant text of turn ``i`` is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the generation
@@ -268,7 +279,11 @@ def tokenize_conversation(
     template = _chat_template(tokenizer)
     if has_generation_markers(template):
         encoded = apply_chat_template(
-            tokenizer, messages, enable_thinking=enable_thinking, tokenize=True, return_dict=True,
+            tokenizer,
+            messages,
+            enable_thinking=enable_thinking,
+            tokenize=True,
+            return_dict=True,
             return_assistant_tokens_mask=True,
         )
         input_ids, loss_mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
@@ -371,6 +386,9 @@ def build_dataset(
     if stats.truncated:
         logger.warning(
             "%d of %d conversations were longer than max_length=%d; %d tokens were cut.",
-            stats.truncated, len(rows), max_length, stats.tokens_cut,
+            stats.truncated,
+            len(rows),
+            max_length,
+            stats.tokens_cut,
         )
     return dataset, stats

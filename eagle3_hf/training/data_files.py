@@ -22,8 +22,12 @@ logger = logging.getLogger("eagle3_hf.training.data")  # one logger for reading 
 
 # File name endings read -> the `datasets` builder for them.
 DATA_SUFFIXES = {
-    ".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet",
-}  # fmt: skip
+    ".jsonl": "json",
+    ".json": "json",
+    ".jsonl.gz": "json",
+    ".json.gz": "json",
+    ".parquet": "parquet",
+}
 
 __all__ = ["DATA_SUFFIXES", "is_dataset_id", "not_utf8_error", "read_records"]
 
@@ -43,7 +47,10 @@ def _iter_json_list(text: str, path: str) -> Iterator[object]:
         except json.JSONDecodeError:
             logger.warning(
                 "%s stops being valid JSON at character %d of %d; kept the %d whole records before it.",
-                path, position, len(text), count,
+                path,
+                position,
+                len(text),
+                count,
             )
             return
         count += 1
@@ -77,8 +84,10 @@ def _read_text(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise ValueError(f"{path} line {line} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
-                         "save the file as UTF-8.") from err  # fmt: skip
+        raise ValueError(
+            f"{path} line {line} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "save the file as UTF-8."
+        ) from err
 
 
 def _check_json_file(path: str) -> None:
@@ -94,8 +103,9 @@ def _check_json_file(path: str) -> None:
             raise ValueError(f"{path} is not valid JSON: {error}") from error
         whole = None
     if isinstance(whole, dict):
-        raise ValueError(f"{path} holds one JSON object with keys {sorted(whole)}, not records; expected a JSON "
-                         "list or JSON Lines.")  # fmt: skip
+        raise ValueError(
+            f"{path} holds one JSON object with keys {sorted(whole)}, not records; expected a JSON list or JSON Lines."
+        )
     for line_no, line in enumerate(text.splitlines(), 1):
         if line.strip() and whole is None:
             try:
@@ -134,8 +144,10 @@ def _check_records_are_objects(path: str) -> None:
     except json.JSONDecodeError:
         return  # a record that spans lines: datasets read it, so it is an object
     if records and not isinstance(records[0], dict):
-        raise ValueError(f"{path}: record 0 is {json.dumps(records[0])[:40]} (a JSON {type(records[0]).__name__}); "
-                         "expected each record to be a JSON object (a ShareGPT, messages or Alpaca record).")
+        raise ValueError(
+            f"{path}: record 0 is {json.dumps(records[0])[:40]} (a JSON {type(records[0]).__name__}); "
+            "expected each record to be a JSON object (a ShareGPT, messages or Alpaca record)."
+        )
 
 
 def _data_files(folder: str) -> list[str]:
@@ -148,13 +160,16 @@ def _hub_dataset(name: str) -> Dataset:
     from datasets import load_dataset
 
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise ValueError(f"No such file or folder: {name!r} (and the Hub is offline, so it is not loaded as a dataset "
-                         "id either).")  # fmt: skip
+        raise ValueError(
+            f"No such file or folder: {name!r} (and the Hub is offline, so it is not loaded as a dataset id either)."
+        )
     try:
         return load_dataset(name, split="train")
     except Exception as error:
-        raise ValueError(f"{name!r} is not a local file or folder, and loading it as a Hub dataset failed: "
-                         f"{' '.join(str(error).split())}") from error  # fmt: skip
+        raise ValueError(
+            f"{name!r} is not a local file or folder, and loading it as a Hub dataset failed: "
+            f"{' '.join(str(error).split())}"
+        ) from error
 
 
 def not_utf8_error(path: str, error: UnicodeDecodeError) -> ValueError:
@@ -190,6 +205,8 @@ def read_records(path: str) -> Iterable:
 def is_dataset_id(name: str) -> bool:
     """Whether `name` reads as a Hub dataset id (``org/name``, not a path or a file name with a data suffix)."""
     return (
-        name.count("/") == 1 and not name.startswith((".", "/", "~")) and _builder(name) is None
+        name.count("/") == 1
+        and not name.startswith((".", "/", "~"))
+        and _builder(name) is None
         and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
-    )  # fmt: skip
+    )

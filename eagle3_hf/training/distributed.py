@@ -129,9 +129,7 @@ def _target_units(target: nn.Module, layer_cls_names: list[str] | None = None) -
     return units
 
 
-def shard_frozen_target(
-    target: nn.Module, mesh: Any = None, layer_cls_names: list[str] | None = None
-) -> nn.Module:
+def shard_frozen_target(target: nn.Module, mesh: Any = None, layer_cls_names: list[str] | None = None) -> nn.Module:
     """Shard a frozen target with FSDP2 for forward passes: each decoder layer, the embedding and the output head are
     units of their own, the rest (final norm) the root's.
 

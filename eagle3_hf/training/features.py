@@ -33,13 +33,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from eagle3_hf.utils.atomic import replace_path
 from eagle3_hf.modeling.configuration_eagle3 import default_target_layer_ids
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel, select_target_features
+from eagle3_hf.training.arguments import DEFAULT_TOP_K
 from eagle3_hf.training.distributed import barrier, distributed_rank
 from eagle3_hf.training.manifest import check_manifest, write_manifest
 from eagle3_hf.training.ttt import target_top_k
-from eagle3_hf.training.arguments import DEFAULT_TOP_K
+from eagle3_hf.utils.atomic import replace_path
 
 logger = logging.getLogger(__name__)
 

@@ -241,6 +241,7 @@ def ttt_head_kwargs(
     `ttt_loss` as its `head` for the cross entropy, or wrapped with `losses.row_losses` for another `loss`."""
     check_loss(loss)
     if not fused_head_applies(lm_head):
+
         def head(rows: torch.Tensor) -> torch.Tensor:
             with autocast():
                 return lm_head(rows)
@@ -257,7 +258,9 @@ def ttt_head_kwargs(
 
     run = functools.partial(head_cross_entropy, compute_dtype=compute_dtype, loss=loss)
 
-    def fused_head(rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused_head(
+        rows: torch.Tensor, p: torch.Tensor, columns: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return lm_head(rows, run, p, columns)  # in the head's own call: FSDP2 gathers its weight around it
 
     return {"fused_head": fused_head}

@@ -16,8 +16,9 @@ from eagle3_hf.utils.atomic import replace_path
 __all__ = ["check_manifest", "write_manifest"]
 
 
-def check_manifest(output_dir: str, name: str, manifest: dict[str, Any], what: str,
-                   ignore: tuple[str, ...] = ()) -> bool:  # fmt: skip
+def check_manifest(
+    output_dir: str, name: str, manifest: dict[str, Any], what: str, ignore: tuple[str, ...] = ()
+) -> bool:
     """Raise `ValueError` when ``output_dir/name`` records other values than `manifest` (keys in `ignore` aside);
     `what` says what the folder holds ("features"). Returns whether the folder has a manifest."""
     path = os.path.join(output_dir, name)

@@ -100,7 +100,8 @@ def exclude_prompts(conversations: Iterable[dict], prompts: set[str]) -> tuple[l
     """Drop every conversation with a user turn among `prompts` (normalised); return the rest and the number dropped."""
     conversations = list(conversations)
     kept = [
-        c for c in conversations
+        c
+        for c in conversations
         if not any(m["role"] == "user" and normalize_prompt(m["content"]) in prompts for m in c["messages"])
-    ]  # fmt: skip
+    ]
     return kept, len(conversations) - len(kept)

@@ -39,7 +39,12 @@ _SHAREGPT_SPEAKER = {"system": "system", "user": "human", "assistant": "gpt"}
 MANIFEST_NAME = ".regenerate.json"  # hidden: reading the folder as data skips it
 
 __all__ = [
-    "MANIFEST_NAME", "data_fingerprint", "list_shards", "prompt_rounds", "regenerate_manifest", "regenerate_responses",
+    "MANIFEST_NAME",
+    "data_fingerprint",
+    "list_shards",
+    "prompt_rounds",
+    "regenerate_manifest",
+    "regenerate_responses",
     "regenerated_thinking_mismatch",
 ]
 
@@ -114,16 +119,28 @@ def data_fingerprint(conversations: list[dict], max_rounds: int | None = None) -
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def regenerate_manifest(fingerprint: str, max_new_tokens: int, do_sample: bool, temperature: float,
-                        max_prompt_length: int, seed: int, enable_thinking: bool | None = None) -> dict:  # fmt: skip
+def regenerate_manifest(
+    fingerprint: str,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    max_prompt_length: int,
+    seed: int,
+    enable_thinking: bool | None = None,
+) -> dict:
     """The ``.regenerate.json`` of a run: its data and the settings its answers depend on (batch and shard sizes
     change only how the work is split). ``enable_thinking`` None (the template's default) is also what a manifest
     written before the setting was recorded means, so such a folder continues under the default."""
     return {
-        "format": 1, "data": fingerprint, "max_new_tokens": max_new_tokens, "do_sample": do_sample,
-        "temperature": temperature if do_sample else None, "seed": seed if do_sample else None,
-        "max_prompt_length": max_prompt_length, "enable_thinking": enable_thinking,
-    }  # fmt: skip
+        "format": 1,
+        "data": fingerprint,
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "temperature": temperature if do_sample else None,
+        "seed": seed if do_sample else None,
+        "max_prompt_length": max_prompt_length,
+        "enable_thinking": enable_thinking,
+    }
 
 
 def regenerated_thinking_mismatch(source: object, enable_thinking: bool | None) -> str | None:
@@ -139,8 +156,9 @@ def regenerated_thinking_mismatch(source: object, enable_thinking: bool | None) 
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None  # reading the data will say what is wrong with the folder, if anything
     recorded = manifest.get("enable_thinking") if isinstance(manifest, dict) else None
-    return thinking_mismatch(recorded, enable_thinking, f"The answers in {os.fspath(source)!r} were regenerated",
-                             "this run renders them")  # fmt: skip
+    return thinking_mismatch(
+        recorded, enable_thinking, f"The answers in {os.fspath(source)!r} were regenerated", "this run renders them"
+    )
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -181,8 +199,9 @@ def _regenerate_shard(
             if not active[i] or step >= len(conversation_rounds):
                 continue
             messages = histories[i] + conversation_rounds[step]
-            text = apply_chat_template(tokenizer, messages, enable_thinking=enable_thinking, tokenize=False,
-                                       add_generation_prompt=True)  # fmt: skip
+            text = apply_chat_template(
+                tokenizer, messages, enable_thinking=enable_thinking, tokenize=False, add_generation_prompt=True
+            )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > max_prompt_length:
                 # Stop this conversation here: its later rounds would be longer still.
@@ -255,8 +274,12 @@ def regenerate_responses(
 
     The tokenizer's padding side is set to left (and its pad token to eos when it has none) during the call.
     """
-    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("shard_size", shard_size),
-                        ("max_prompt_length", max_prompt_length)):
+    for name, value in (
+        ("batch_size", batch_size),
+        ("max_new_tokens", max_new_tokens),
+        ("shard_size", shard_size),
+        ("max_prompt_length", max_prompt_length),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}.")
     if do_sample and temperature <= 0:
@@ -267,8 +290,15 @@ def regenerate_responses(
         )
     output_dir = os.fspath(output_dir)
     conversations = _unique_ids(as_conversations(conversations))
-    manifest = regenerate_manifest(fingerprint or data_fingerprint(conversations), max_new_tokens, do_sample,
-                                   temperature, max_prompt_length, seed, enable_thinking)  # fmt: skip
+    manifest = regenerate_manifest(
+        fingerprint or data_fingerprint(conversations),
+        max_new_tokens,
+        do_sample,
+        temperature,
+        max_prompt_length,
+        seed,
+        enable_thinking,
+    )
     has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "answers")
     os.makedirs(output_dir, exist_ok=True)
     if not has_manifest:
@@ -284,8 +314,9 @@ def regenerate_responses(
     next_index = int(_SHARD.fullmatch(os.path.basename(existing[-1])).group(1)) + 1 if existing else 0
     pending = [c for c in conversations if c["id"] not in done]
     if done:
-        logger.info("Resuming: %d conversations already in %d shards, %d to go.",
-                    len(done), len(existing), len(pending))
+        logger.info(
+            "Resuming: %d conversations already in %d shards, %d to go.", len(done), len(existing), len(pending)
+        )
 
     generate_kwargs: dict = {
         "max_new_tokens": max_new_tokens,
@@ -308,8 +339,14 @@ def regenerate_responses(
                 with torch.random.fork_rng(devices=devices, device_type=model.device.type):
                     torch.manual_seed(seed + next_index)
                     records = _regenerate_shard(
-                        model, tokenizer, pending[start : start + shard_size], batch_size, max_prompt_length,
-                        generate_kwargs, progress, enable_thinking,
+                        model,
+                        tokenizer,
+                        pending[start : start + shard_size],
+                        batch_size,
+                        max_prompt_length,
+                        generate_kwargs,
+                        progress,
+                        enable_thinking,
                     )
                 if records:
                     written.append(_write_shard(output_dir, next_index, records))

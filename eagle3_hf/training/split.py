@@ -19,7 +19,6 @@ from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, SPLITS
 __all__ = ["DEFAULT_HELD_OUT_FRACTION", "SPLITS", "held_out_score", "is_held_out", "split_filter", "split_held_out"]
 
 
-
 def held_out_score(conversation_id: str) -> float:
     """A number in ``[0, 1)`` fixed by the id: the first 8 bytes of its sha256, over 2**64."""
     digest = hashlib.sha256(str(conversation_id).encode("utf-8")).digest()

@@ -46,8 +46,9 @@ def tokenise_data(
             f"No conversation in {data} belongs to the requested split (held-out conversations are chosen by a hash "
             "of their id, about 2% of them): give more data, or another split."
         )
-    dataset, stats = build_dataset(conversations, tokenizer, max_length, num_proc=num_proc,
-                                   enable_thinking=enable_thinking)  # fmt: skip
+    dataset, stats = build_dataset(
+        conversations, tokenizer, max_length, num_proc=num_proc, enable_thinking=enable_thinking
+    )
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every process reads the data: one says so
         print(
             f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} "

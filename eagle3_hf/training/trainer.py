@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,8 @@ from datasets import Dataset
 from torch import nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
+from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 from eagle3_hf.training.arguments import Eagle3TrainingOptions
 from eagle3_hf.training.checkpointing import WholeCheckpoints
 from eagle3_hf.training.collator import FEATURE_KEYS, Eagle3DataCollator
@@ -37,10 +39,8 @@ from eagle3_hf.training.distributed import (
     shard_frozen_target,
 )
 from eagle3_hf.training.feature_dataset import OfflineFeatureDataset
-from eagle3_hf.training.head_loss import ttt_head_kwargs
 from eagle3_hf.training.features import _base_draft, online_features
-from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card
-from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
+from eagle3_hf.training.head_loss import ttt_head_kwargs
 from eagle3_hf.training.ttt import TTTOutput, simulated_acceptance_length, ttt_forward, ttt_loss
 from eagle3_hf.training.vocab import DraftVocab, build_draft_vocab
 
@@ -87,8 +87,12 @@ def install_draft_vocab(draft: nn.Module, dataset: Dataset | Any) -> DraftVocab:
     base.set_draft_vocab(vocab.d2t, vocab.t2d)
     logger.info(
         "Draft vocabulary: %d of %d target ids, covering %.2f%% of supervised tokens (%d ids seen, %d padded).",
-        vocab.draft_vocab_size, vocab.target_vocab_size, 100 * vocab.coverage, vocab.num_seen, vocab.num_padded,
-    )  # fmt: skip
+        vocab.draft_vocab_size,
+        vocab.target_vocab_size,
+        100 * vocab.coverage,
+        vocab.num_seen,
+        vocab.num_padded,
+    )
     return vocab
 
 
@@ -178,9 +182,13 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
             pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
             data_collator = Eagle3DataCollator(pad_token_id=pad, max_length=args.max_length, packing=args.packing)
         super().__init__(
-            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, **kwargs,
-        )  # fmt: skip
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            **kwargs,
+        )
         # Our compute_loss takes no loss kwargs; this keeps the Trainer from counting label tokens for it.
         self.model_accepts_loss_kwargs = False
         self._check_distributed(model)
@@ -244,16 +252,27 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
     def _ttt(self, model: nn.Module, draft: Eagle3DraftModel, **batch: torch.Tensor) -> TTTOutput:
         with self.accelerator.autocast():  # the head's compute dtype; the draft's forward may carry accelerate's too
             states = ttt_forward(
-                model, batch["input_ids"], batch["target_hidden_states"], batch["attention_mask"], self.args.ttt_length,
-                return_hidden=True, position_ids=batch.get("position_ids"),
-            )  # fmt: skip
+                model,
+                batch["input_ids"],
+                batch["target_hidden_states"],
+                batch["attention_mask"],
+                self.args.ttt_length,
+                return_hidden=True,
+                position_ids=batch.get("position_ids"),
+            )
             device = states[0].device.type
             compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         heads = ttt_head_kwargs(draft.lm_head, self.accelerator.autocast, compute_dtype, self.args.loss)
         return ttt_loss(
-            states, batch["target_top_logits"], batch["loss_mask"], draft.t2d, self.args.ttt_decay,
-            target_ids=batch["target_top_ids"], position_ids=batch.get("position_ids"), **heads,
-        )  # fmt: skip
+            states,
+            batch["target_top_logits"],
+            batch["loss_mask"],
+            draft.t2d,
+            self.args.ttt_decay,
+            target_ids=batch["target_top_ids"],
+            position_ids=batch.get("position_ids"),
+            **heads,
+        )
 
     def compute_loss(
         self,
@@ -266,7 +285,11 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
         batch = {k: inputs[k] for k in ("input_ids", "attention_mask", "loss_mask", "position_ids") if k in inputs}
         if self.args.feature_mode == "online":
             batch["target_hidden_states"], batch["target_top_logits"], batch["target_top_ids"] = online_features(
-                self.target, draft, batch["input_ids"], batch["attention_mask"], self.args.logits_top_k,
+                self.target,
+                draft,
+                batch["input_ids"],
+                batch["attention_mask"],
+                self.args.logits_top_k,
                 position_ids=batch.get("position_ids"),
             )
             reshard(self.target)  # a sharded target keeps no gathered weights between batches
@@ -305,8 +328,15 @@ class Eagle3Trainer(WholeCheckpoints, Trainer):
     # metrics
     def _accumulate(self, out: TTTOutput, mode: str) -> None:
         k = out.step_losses.numel()
-        row = torch.cat([out.step_losses.float(), out.step_correct.float(), out.step_supervised.float(),
-                         out.step_in_vocab.float(), out.step_losses.new_ones(1, dtype=torch.float32)])  # fmt: skip
+        row = torch.cat(
+            [
+                out.step_losses.float(),
+                out.step_correct.float(),
+                out.step_supervised.float(),
+                out.step_in_vocab.float(),
+                out.step_losses.new_ones(1, dtype=torch.float32),
+            ]
+        )
         if mode not in self._metric_sums or self._metric_sums[mode].numel() != 4 * k + 1:
             self._metric_sums[mode] = torch.zeros_like(row)
         self._metric_sums[mode] += row.detach()

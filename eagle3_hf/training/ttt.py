@@ -278,8 +278,10 @@ def ttt_loss(
     segments = None
     if position_ids is not None:
         segments = attention_segments(None, position_ids.to(loss_mask.device), *loss_mask.shape, loss_mask.device)
-    steps = [_step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq, segments)
-             for step, outputs in enumerate(step_logits)]  # fmt: skip
+    steps = [
+        _step_targets(outputs, step, target_logits, target_ids, loss_mask, t2d, seq, segments)
+        for step, outputs in enumerate(step_logits)
+    ]
     if fused_head is not None:
         losses, predictions = _fused_step_losses(steps, fused_head)
     else:

@@ -195,7 +195,9 @@ def ttt_attention(
     Returns ``[B, h, Sq, d]`` in q's dtype, differentiable with respect to q, keys and values.
     """
     if len(keys) != len(values) or not keys:
-        raise ValueError(f"ttt_attention needs as many keys as values, at least one; got {len(keys)} and {len(values)}.")
+        raise ValueError(
+            f"ttt_attention needs as many keys as values, at least one; got {len(keys)} and {len(values)}."
+        )
     if q.shape[1] % keys[0].shape[1]:
         raise ValueError(f"{q.shape[1]} query heads cannot share {keys[0].shape[1]} key/value heads.")
     dtype = q.dtype

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from eagle3_hf.modeling.checkpoints import open_safetensors
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
-from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_held_out
 from eagle3_hf.training.arguments import DEFAULT_MIN_COVERAGE
+from eagle3_hf.training.split import DEFAULT_HELD_OUT_FRACTION, split_held_out
 
 __all__ = [
     "CANDIDATE_VOCAB_SIZES",
@@ -218,9 +218,13 @@ def _vocab_of_draft_folder(folder: str) -> DraftVocab:
         d2t, t2d = f.get_tensor("d2t").long(), f.get_tensor("t2d").bool()
     validate_vocab_mapping(d2t, t2d, t2d.numel())
     return DraftVocab(
-        d2t=d2t, t2d=t2d, counts=torch.zeros(t2d.numel(), dtype=torch.long), coverage=float("nan"),
-        num_seen=0, num_padded=0,
-    )  # fmt: skip
+        d2t=d2t,
+        t2d=t2d,
+        counts=torch.zeros(t2d.numel(), dtype=torch.long),
+        coverage=float("nan"),
+        num_seen=0,
+        num_padded=0,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -275,11 +279,16 @@ class VocabChoice:
 
     def table(self) -> str:
         """The lines `eagle3-hf vocab` and `train --draft-vocab-size auto` print."""
-        where = (f"{self.num_held_out} held-out conversations" if self.num_held_out else
-                 "no held-out conversations, so measured on the training data")  # fmt: skip
+        where = (
+            f"{self.num_held_out} held-out conversations"
+            if self.num_held_out
+            else "no held-out conversations, so measured on the training data"
+        )
         lines = [f"Coverage of the target's supervised tokens by draft vocabulary size ({where}):"]
-        lines += [f"  {size:>6} ids: {100 * c:6.2f}%{'  <- chosen' if size == self.vocab.draft_vocab_size else ''}"
-                  for size, c in self.coverages.items()]  # fmt: skip
+        lines += [
+            f"  {size:>6} ids: {100 * c:6.2f}%{'  <- chosen' if size == self.vocab.draft_vocab_size else ''}"
+            for size, c in self.coverages.items()
+        ]
         return "\n".join(lines)
 
 

@@ -19,7 +19,6 @@ def cache_kwargs(cache: Any) -> dict[str, Any]:
     return {CACHE_KWARG: cache}
 
 
-
 def generate_output_cache_field() -> str:
     """Name of the cache field of `GenerateDecoderOnlyOutput` in this transformers release."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput

@@ -24,8 +24,9 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
-def check_output_dir(path: str, overwrite: bool, flag: str = "output", resumable: bool = False,
-                     source: str | None = None) -> None:  # fmt: skip
+def check_output_dir(
+    path: str, overwrite: bool, flag: str = "output", resumable: bool = False, source: str | None = None
+) -> None:
     """Raise `ValueError` unless `path` may be written as a folder.
 
     A missing or empty folder is fine; an existing file never is; a non-empty folder only with `overwrite` (or, when

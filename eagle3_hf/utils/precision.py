@@ -87,7 +87,7 @@ def emulated_bf16_warning(dtype: str, device: str = "cpu", flags: set[str] | Non
 
 
 def short_name(dtype: torch.dtype) -> str:
-    """"fp32", "bf16" or "fp16": how configuration names spell a dtype."""
+    """ "fp32", "bf16" or "fp16": how configuration names spell a dtype."""
     import torch
 
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -42,8 +42,8 @@ import torch
 
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.targets import load_target, load_tokenizer
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.split import split_filter
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.trainer import Eagle3DataCollator
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 
@@ -97,10 +97,17 @@ def main() -> None:
     parser.add_argument("--eval-conversations", type=int, default=20)
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--lr-scale", "--qk-lr-scale", dest="lr_scale", type=float, default=1.0,
-                        help="learning rate factor on the --scaled-params parameters")
-    parser.add_argument("--scaled-params", default="q_proj,k_proj",
-                        help="comma-separated parts of parameter names that get --lr-scale")
+    parser.add_argument(
+        "--lr-scale",
+        "--qk-lr-scale",
+        dest="lr_scale",
+        type=float,
+        default=1.0,
+        help="learning rate factor on the --scaled-params parameters",
+    )
+    parser.add_argument(
+        "--scaled-params", default="q_proj,k_proj", help="comma-separated parts of parameter names that get --lr-scale"
+    )
     parser.add_argument("--save-to", help="save the trained draft in this folder at the end")
     parser.add_argument("--cpu-seconds", type=float, default=1200, help="process CPU time for training")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
@@ -130,8 +137,9 @@ def main() -> None:
     if not scaled:
         parser.error(f"--scaled-params {args.scaled_params!r} matches no trainable parameter of the draft")
     base_lrs = (args.learning_rate, args.learning_rate * args.lr_scale)
-    optimizer = torch.optim.AdamW([{"params": rest}, {"params": scaled}], lr=args.learning_rate,
-                                  betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [{"params": rest}, {"params": scaled}], lr=args.learning_rate, betas=(0.9, 0.95), weight_decay=0.0
+    )
 
     os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
 
@@ -153,13 +161,22 @@ def main() -> None:
             batch = collate([train_rows[order[(cursor + i) % len(order)]] for i in range(2)])
             cursor += 2
             with torch.no_grad():
-                out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=True, use_cache=False)  # fmt: skip
+                out = target(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    output_hidden_states=True,
+                    use_cache=False,
+                )
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                states = ttt_forward(draft, batch["input_ids"], draft.target_features(out.hidden_states),
-                                     batch["attention_mask"], args.ttt_length, return_hidden=True)  # fmt: skip
-                result = ttt_loss(states, out.logits.float(), batch["loss_mask"].float(), draft.t2d,
-                                  head=draft.lm_head)  # fmt: skip
+                states = ttt_forward(
+                    draft,
+                    batch["input_ids"],
+                    draft.target_features(out.hidden_states),
+                    batch["attention_mask"],
+                    args.ttt_length,
+                    return_hidden=True,
+                )
+                result = ttt_loss(states, out.logits.float(), batch["loss_mask"].float(), draft.t2d, head=draft.lm_head)
             (result.loss / 2).backward()
             accuracies.append(float(result.step_accuracy[0]))
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)

@@ -42,8 +42,8 @@ import torch
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.modeling.masks import causal_mask
 from eagle3_hf.targets import load_target, load_tokenizer
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.split import split_filter
+from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.trainer import Eagle3DataCollator
 from eagle3_hf.training.ttt import shift_left, step_alignment, ttt_forward
 from eagle3_hf.training.ttt_layer import repeat_kv
@@ -156,8 +156,15 @@ def analyse(draft, target, rows: list[dict], batch_size: int = 4, attention: boo
     pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
     collate = Eagle3DataCollator(pad_token_id=pad)
     to_target = torch.nonzero(draft.t2d)[:, 0]  # [Vd] target id of each draft id
-    names = ("positions", "draft_right", "lookup_made", "lookup_right", "draft_right_where_lookup_right",
-             "draft_or_lookup_right", "in_vocab")
+    names = (
+        "positions",
+        "draft_right",
+        "lookup_made",
+        "lookup_right",
+        "draft_right_where_lookup_right",
+        "draft_or_lookup_right",
+        "in_vocab",
+    )
     counts = dict.fromkeys(names, 0)
     buckets = [[0, 0] for _ in CONFIDENCE_EDGES[1:]]  # [positions, draft right] per confidence bucket
     by_position = [[0, 0, 0, 0] for _ in POSITION_EDGES[1:]]  # [positions, draft right, lookup right, both right]
@@ -212,8 +219,14 @@ def analyse(draft, target, rows: list[dict], batch_size: int = 4, attention: boo
             for (lo, hi), (m, r) in zip(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]), buckets)
         ],
         "by_position": [
-            {"from": lo, "to": hi, "share": m / n, "draft_accuracy": r / max(m, 1), "lookup_right": lr / max(m, 1),
-             "draft_accuracy_where_lookup_right": both / max(lr, 1)}
+            {
+                "from": lo,
+                "to": hi,
+                "share": m / n,
+                "draft_accuracy": r / max(m, 1),
+                "lookup_right": lr / max(m, 1),
+                "draft_accuracy_where_lookup_right": both / max(lr, 1),
+            }
             for (lo, hi), (m, r, lr, both) in zip(zip(POSITION_EDGES, POSITION_EDGES[1:]), by_position)
         ],
         **({"step0_attention": profile.result()} if profile else {}),
@@ -230,8 +243,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--attention", action="store_true", help="also profile the first layer's step-0 attention")
-    parser.add_argument("--token-probe", type=int, default=0, metavar="N",
-                        help="also test N positions with the just-verified token replaced at random")
+    parser.add_argument(
+        "--token-probe",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also test N positions with the just-verified token replaced at random",
+    )
     parser.add_argument("--json", default=None, help="write the results here ({draft: results})")
     args = parser.parse_args()
     if args.threads:
@@ -239,8 +257,7 @@ def main() -> None:
 
     data, _, split = args.data.partition(":")
     tokenizer = load_tokenizer(args.target)
-    rows, _ = tokenise_data(tokenizer, [data], args.max_length, args.max_conversations,
-                            split_filter(split or "all"))  # fmt: skip
+    rows, _ = tokenise_data(tokenizer, [data], args.max_length, args.max_conversations, split_filter(split or "all"))
     rows = list(rows)
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype=dtype).eval()

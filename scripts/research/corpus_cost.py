@@ -58,7 +58,9 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
 def evaluation_rows(folder: str, tokenizer) -> list[tuple[list[int], list[int]]]:
     """(input ids, answer positions) of each evaluation conversation, tokenised as training does."""
     dataset, _ = build_dataset(read_conversations(folder), tokenizer, max_length=1 << 30)
-    return [(ids, [t for t, m in enumerate(mask) if m]) for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])]
+    return [
+        (ids, [t for t, m in enumerate(mask) if m]) for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
+    ]
 
 
 def measure(index: CorpusIndex, rows, options: CorpusOptions) -> dict:
@@ -81,8 +83,11 @@ def measure(index: CorpusIndex, rows, options: CorpusOptions) -> dict:
             lookup_s.append(time.perf_counter() - start)
             from_context = first_guess(context.lookup(depth=1, branches=4))
             from_corpus = first_guess(trie)
-            guesses = {"context": from_context, "corpus": from_corpus,
-                       "context_then_corpus": from_context if from_context is not None else from_corpus}  # fmt: skip
+            guesses = {
+                "context": from_context,
+                "corpus": from_corpus,
+                "context_then_corpus": from_context if from_context is not None else from_corpus,
+            }
             for name, guess in guesses.items():
                 proposes[name] += guess is not None
                 hits[name] += guess == ids[t]
@@ -126,27 +131,43 @@ def main() -> None:
         index = CorpusIndex.load(path)
         loaded = time.perf_counter() - start
         results = {
-            "data": [os.path.basename(f) for f in folders], **stats.to_dict(), "tokens": index.num_tokens,
-            "answers": index.num_documents, "tokenise_s": tokenised, "build_s": built, "load_s": loaded,
-            "bytes": index.nbytes, "bytes_per_token": index.nbytes / index.num_tokens,
-            "file_bytes": os.path.getsize(path), "runs": {},
-        }  # fmt: skip
+            "data": [os.path.basename(f) for f in folders],
+            **stats.to_dict(),
+            "tokens": index.num_tokens,
+            "answers": index.num_documents,
+            "tokenise_s": tokenised,
+            "build_s": built,
+            "load_s": loaded,
+            "bytes": index.nbytes,
+            "bytes_per_token": index.nbytes / index.num_tokens,
+            "file_bytes": os.path.getsize(path),
+            "runs": {},
+        }
         rows = evaluation_rows(os.path.join(tmp, EVALUATION), tokenizer)
-    print(f"{results['tokens']} tokens in {results['answers']} answers ({stats.conversations_excluded} of "
-          f"{stats.conversations_read} conversations left out as MT-bench prompts); tokenised in {tokenised:.1f} s, "
-          f"built in {built:.2f} s, loaded in {loaded:.3f} s; {results['bytes_per_token']:.2f} bytes per token "
-          f"({results['bytes'] / 2**20:.1f} MiB), file {results['file_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"{results['tokens']} tokens in {results['answers']} answers ({stats.conversations_excluded} of "
+        f"{stats.conversations_read} conversations left out as MT-bench prompts); tokenised in {tokenised:.1f} s, "
+        f"built in {built:.2f} s, loaded in {loaded:.3f} s; {results['bytes_per_token']:.2f} bytes per token "
+        f"({results['bytes'] / 2**20:.1f} MiB), file {results['file_bytes'] / 2**20:.1f} MiB"
+    )
     for max_len in args.max_len:
         run = measure(index, rows, CorpusOptions(max_len=max_len))
         results["runs"][str(max_len)] = run
-        times = "; ".join(f"{name} {run[name]['mean_us']:.0f} us mean, {run[name]['median_us']:.0f} median, "
-                          f"{run[name]['p99_us']:.0f} p99" for name in ("longest_match", "lookup"))  # fmt: skip
-        rates = ", ".join(f"{name} {run['hit_rate'][name]:.3f} (proposes {run['proposes'][name]:.2f})"
-                          for name in run["hit_rate"])  # fmt: skip
-        by_match = ", ".join(f"{k}{'+' if k == 8 else ''}: {v['right']:.2f} of {v['guesses']}"
-                             for k, v in run["corpus_by_match"].items())  # fmt: skip
-        print(f"max_len {max_len}, {run['positions']} MT-bench answer positions: {times}\n  first-token hit rate: "
-              f"{rates}\n  corpus guesses right, by match length: {by_match}")  # fmt: skip
+        times = "; ".join(
+            f"{name} {run[name]['mean_us']:.0f} us mean, {run[name]['median_us']:.0f} median, "
+            f"{run[name]['p99_us']:.0f} p99"
+            for name in ("longest_match", "lookup")
+        )
+        rates = ", ".join(
+            f"{name} {run['hit_rate'][name]:.3f} (proposes {run['proposes'][name]:.2f})" for name in run["hit_rate"]
+        )
+        by_match = ", ".join(
+            f"{k}{'+' if k == 8 else ''}: {v['right']:.2f} of {v['guesses']}" for k, v in run["corpus_by_match"].items()
+        )
+        print(
+            f"max_len {max_len}, {run['positions']} MT-bench answer positions: {times}\n  first-token hit rate: "
+            f"{rates}\n  corpus guesses right, by match length: {by_match}"
+        )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

@@ -40,8 +40,7 @@ from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation import drafting, engine, exact_attention, proposers
 from eagle3_hf.generation.engine import CycleRecord
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.target_cache import crop_cache
-from eagle3_hf.generation.target_cache import target_tree_mask
+from eagle3_hf.generation.target_cache import crop_cache, target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.modeling.shipped import default_prompts_path
@@ -87,8 +86,14 @@ class Clocks:
         return wrapper
 
     def observe(self, record: CycleRecord) -> None:
-        info = dict(past=record.past, nodes=max(record.tree_sizes), accepted=sum(record.emitted) - len(record.rows),
-                    draft_s=record.draft_s, verify_s=record.verify_s, parents=record.parents[0])  # fmt: skip
+        info = dict(
+            past=record.past,
+            nodes=max(record.tree_sizes),
+            accepted=sum(record.emitted) - len(record.rows),
+            draft_s=record.draft_s,
+            verify_s=record.verify_s,
+            parents=record.parents[0],
+        )
         self.cycles.append({"info": info, "sections": self.sections, "counts": self.counts})
         self.sections, self.counts = {}, {}
 
@@ -132,8 +137,10 @@ def summarize(cycles: list[dict]) -> dict:
     forwards = sum(c["counts"].get("draft: forward", 0) for c in cycles)
     catch_ups = sum(c["counts"].get("draft: catch-up forward", 0) for c in cycles)
     levels = (forwards - catch_ups) / len(cycles)
-    level_ms = (mean_ms(cycles, "draft: forward") * len(cycles) - 1e3 * sum(
-        c["sections"].get("draft: catch-up forward", 0.0) for c in cycles)) / max(forwards - catch_ups, 1)  # fmt: skip
+    level_ms = (
+        mean_ms(cycles, "draft: forward") * len(cycles)
+        - 1e3 * sum(c["sections"].get("draft: catch-up forward", 0.0) for c in cycles)
+    ) / max(forwards - catch_ups, 1)
     return {
         "cycles": len(cycles),
         "verify_ms": total,
@@ -165,8 +172,14 @@ def references(model, ids: torch.Tensor, context: int, parents: list[int], repea
             if exact:
                 state.set_tree(parents_t, context)
             mask = target_tree_mask(model.config, tree_attention_mask(parents_t), context, model.dtype)
-            model(tokens, attention_mask=mask, position_ids=(context + depths)[None], use_cache=True,
-                  eagle3_exact=state, **cache_kwargs(cache))  # fmt: skip
+            model(
+                tokens,
+                attention_mask=mask,
+                position_ids=(context + depths)[None],
+                use_cache=True,
+                eagle3_exact=state,
+                **cache_kwargs(cache),
+            )
             state.clear_tree()
             crop_cache(cache, context)
 
@@ -204,11 +217,20 @@ def main() -> None:
     draft = load_draft_for(args.target, model, args.draft)
     prepack_linears(model)
     prepack_linears(draft)
-    prompts = read_prompts(args.prompts or default_prompts_path(), load_tokenizer(args.target), args.num_prompts,
-                           args.every)  # fmt: skip
-    tree_kwargs = dict(assistant_model=draft, adaptive_tree=False, tree_total_tokens=args.nodes,
-                       tree_depth=args.depth, tree_top_k=args.top_k, exact_verify=not args.no_exact_verify,
-                       do_sample=False, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)  # fmt: skip
+    prompts = read_prompts(
+        args.prompts or default_prompts_path(), load_tokenizer(args.target), args.num_prompts, args.every
+    )
+    tree_kwargs = dict(
+        assistant_model=draft,
+        adaptive_tree=False,
+        tree_total_tokens=args.nodes,
+        tree_depth=args.depth,
+        tree_top_k=args.top_k,
+        exact_verify=not args.no_exact_verify,
+        do_sample=False,
+        max_new_tokens=args.max_new_tokens,
+        return_dict_in_generate=True,
+    )
     model.generate(prompts[0], **{**tree_kwargs, "max_new_tokens": 8})  # warm-up
     model.generate(prompts[0], max_new_tokens=8, do_sample=False)
     cycles, identical, plain_token_s, outputs = [], [], [], []
@@ -248,20 +270,26 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
     ref = report["references"]
     plain = ref["plain_step_ms"]
     mode = "one tree-masked call" if args.no_exact_verify else "row-exact"
-    print(f"{report['cycles']} cycles of {args.nodes} nodes ({mode}), {args.threads} threads, median context "
-          f"{ref['context']}; {report['accepted_per_cycle']:.2f} tokens per cycle; greedy output identical to plain: "
-          f"{sum(report['identical_to_plain'])}/{len(report['identical_to_plain'])}")  # fmt: skip
+    print(
+        f"{report['cycles']} cycles of {args.nodes} nodes ({mode}), {args.threads} threads, median context "
+        f"{ref['context']}; {report['accepted_per_cycle']:.2f} tokens per cycle; greedy output identical to plain: "
+        f"{sum(report['identical_to_plain'])}/{len(report['identical_to_plain'])}"
+    )
     print(f"\nverify step: {report['verify_ms']:.2f} ms = {report['verify_ms'] / plain:.2f}x a plain step")
     for name, ms in report["verify_sections_ms"].items():
         print(f"  {name:<66} {ms:7.2f}")
     for name, ms in report["exact_attention_sections_ms"].items():
         print(f"    {name:<64} {ms:7.2f}")
-    print(f"\ndrafting: {report['draft_ms']:.2f} ms per cycle, {report['draft_levels_per_cycle']:.1f} levels; "
-          f"one level {report['draft_level_ms']:.2f} ms")  # fmt: skip
+    print(
+        f"\ndrafting: {report['draft_ms']:.2f} ms per cycle, {report['draft_levels_per_cycle']:.1f} levels; "
+        f"one level {report['draft_level_ms']:.2f} ms"
+    )
     print(f"  catch-up forward per cycle {report['catch_up_ms']:.2f} ms; emit per cycle {report['emit_ms']:.2f} ms")
-    print(f"\nreferences at context {ref['context']}: plain one-token step {plain:.2f} ms; the same tree bare, one call "
-          f"{ref['tree_one_call_ms']:.2f} ms, row-exact {ref['tree_row_exact_ms']:.2f} ms; plain generate() "
-          f"{ref['plain_generate_per_token_ms']:.2f} ms per token")  # fmt: skip
+    print(
+        f"\nreferences at context {ref['context']}: plain one-token step {plain:.2f} ms; the same tree bare, one call "
+        f"{ref['tree_one_call_ms']:.2f} ms, row-exact {ref['tree_row_exact_ms']:.2f} ms; plain generate() "
+        f"{ref['plain_generate_per_token_ms']:.2f} ms per token"
+    )
 
 
 if __name__ == "__main__":

@@ -73,10 +73,17 @@ def generate_chain(target, draft, prompt: list[int], depth: int, max_new_tokens:
     """`bench`'s fixed-depth chain on one prompt: (the new tokens, the drafted tokens accepted in each cycle)."""
     ids = torch.tensor([prompt])
     out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), assistant_model=draft, return_dict_in_generate=True,
-        do_sample=False, max_new_tokens=max_new_tokens, tree_top_k=1, tree_total_tokens=depth + 1,
-        adaptive_tree=False, context_lookup=False,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        assistant_model=draft,
+        return_dict_in_generate=True,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        tree_top_k=1,
+        tree_total_tokens=depth + 1,
+        adaptive_tree=False,
+        context_lookup=False,
+    )
     accepted = [a - 1 for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1]  # a: accepted + the bonus token
     return out.sequences[0, len(prompt) :].tolist(), accepted
 
@@ -94,9 +101,14 @@ def main() -> int:
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--depth", type=int, default=6, help="the chain's drafted tokens per cycle (bench: 6)")
     parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--generate", type=int, metavar="N", default=0,  # fmt: skip
-                        help="also decode N new tokens from each answer's prompt with bench's chain (bf16, "
-                             "weights prepacked, as bench loads them) and walk the decoded text beside its cycles")
+    parser.add_argument(
+        "--generate",
+        type=int,
+        metavar="N",
+        default=0,
+        help="also decode N new tokens from each answer's prompt with bench's chain (bf16, "
+        "weights prepacked, as bench loads them) and walk the decoded text beside its cycles",
+    )
     parser.add_argument("--json", help="write the report here too")
     args = parser.parse_args()
     if args.depth < 1 or args.generate < 0:
@@ -123,8 +135,9 @@ def main() -> int:
             if args.generate:
                 prompt = row["input_ids"][: answer[0]]
                 new, accepted = generate_chain(target, draft, prompt, args.depth, args.generate)
-                texts.setdefault("decoded", []).append({"input_ids": prompt + new,
-                                                        "loss_mask": [0] * len(prompt) + [1] * len(new)})  # fmt: skip
+                texts.setdefault("decoded", []).append(
+                    {"input_ids": prompt + new, "loss_mask": [0] * len(prompt) + [1] * len(new)}
+                )
                 decoded.append(accepted)
                 given = row["input_ids"][answer[0] :]
                 shared = next((i for i, (x, y) in enumerate(zip(new, given)) if x != y), min(len(new), len(given)))

@@ -95,8 +95,10 @@ def main() -> None:
     budget = TreeBudget(depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
     base = load_target(args.target)
     context = torch.randint(0, base.config.get_text_config().vocab_size, (1, args.context))
-    print(f"{args.context}-token context, tree depth {args.depth} / top-k {args.top_k}, {args.threads} thread(s); "
-          f"ms as wall / CPU time")  # fmt: skip
+    print(
+        f"{args.context}-token context, tree depth {args.depth} / top-k {args.top_k}, {args.threads} thread(s); "
+        f"ms as wall / CPU time"
+    )
     print(f"{'precision':<16} {'model forward':>14} {'draft_forward':>14} {'tree / level':>14}")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name.strip())

@@ -20,9 +20,9 @@ import torch
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.bench.cards import format_evaluation_table
 from eagle3_hf.targets import load_target, load_tokenizer
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter
+from eagle3_hf.training.tokenise import tokenise_data
 
 
 def main() -> None:
@@ -41,9 +41,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype=dtype)
     tokenizer = load_tokenizer(args.target)
-    dataset, _ = tokenise_data(
-        tokenizer, args.data, args.max_length, args.max_conversations, split_filter(args.split)
-    )
+    dataset, _ = tokenise_data(tokenizer, args.data, args.max_length, args.max_conversations, split_filter(args.split))
     results = {}
     for path in args.drafts:
         draft = Eagle3DraftModel.from_pretrained(path, target=target, dtype=dtype)

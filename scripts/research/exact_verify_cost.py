@@ -48,8 +48,10 @@ def main() -> None:
     prepack_linears(model)  # a no-op unless bf16 on CPU
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    print(f"{args.target}, {model.dtype}, {args.threads} threads, {model.config._attn_implementation}; "
-          f"median of {args.repeats} verify forwards, ms")  # fmt: skip
+    print(
+        f"{args.target}, {model.dtype}, {args.threads} threads, {model.config._attn_implementation}; "
+        f"median of {args.repeats} verify forwards, ms"
+    )
     print(f"{'context':>8}{'nodes':>7}{'depth':>7}{'one call':>10}{'row-exact':>11}{'ratio':>8}")
     for context in (int(c) for c in args.contexts.split(",")):
         prompt = torch.randint(0, vocab, (1, context), generator=generator)
@@ -69,8 +71,14 @@ def main() -> None:
                             state.set_tree(parents, context)
                         start = time.perf_counter()
                         mask = target_tree_mask(model.config, tree_attention_mask(parents), context, model.dtype)
-                        model(tokens, attention_mask=mask, position_ids=(context + depths)[None], use_cache=True,
-                              eagle3_exact=state, **cache_kwargs(cache))  # fmt: skip
+                        model(
+                            tokens,
+                            attention_mask=mask,
+                            position_ids=(context + depths)[None],
+                            use_cache=True,
+                            eagle3_exact=state,
+                            **cache_kwargs(cache),
+                        )
                         seconds = time.perf_counter() - start
                         state.clear_tree()
                         crop_cache(cache, context)

@@ -54,16 +54,28 @@ def main() -> int:
     target = load_target(args.target, shard=world > 1)
     vocab = target.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(1, vocab, (args.seq_len,), generator=generator).tolist(),
-             "loss_mask": [1] * args.seq_len} for _ in range(4 * world * args.steps)]  # fmt: skip
+    rows = [
+        {
+            "input_ids": torch.randint(1, vocab, (args.seq_len,), generator=generator).tolist(),
+            "loss_mask": [1] * args.seq_len,
+        }
+        for _ in range(4 * world * args.steps)
+    ]
     dataset = Dataset.from_list(rows)
     draft = Eagle3DraftModel.from_target(target, draft_vocab_size=args.draft_vocab_size).float()
     install_draft_vocab(draft, dataset)
     training = Eagle3TrainingArguments(
-        output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=1, ttt_length=3,
-        save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, logging_steps=1,
+        output_dir=args.output,
+        max_steps=args.steps,
+        per_device_train_batch_size=1,
+        ttt_length=3,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        logging_steps=1,
         fsdp="full_shard auto_wrap" if world > 1 else None,
-    )  # fmt: skip
+    )
     trainer = Eagle3Trainer(draft, training, target=target, train_dataset=dataset)
     set_up = resident_mib()
     reset_peak()
@@ -76,14 +88,23 @@ def main() -> int:
         "optimizer": sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in states),
     }
     estimate = fsdp_memory_per_process(trainer.target, trainer.model, world)
-    print(json.dumps({
-        "rank": rank, "world_size": world,
-        "measured_mib": {k: round(v / MIB, 1) for k, v in measured.items()},
-        "formula_mib": {k: round(v / MIB, 1) for k, v in estimate.items()},
-        "rss_mib": {"before_load": round(before["now"]), "peak_while_loading": round(set_up["peak"]),
-                    "after_loading": round(set_up["now"]), "peak_while_training": round(after["peak"]),
-                    "after_training": round(after["now"])},
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": world,
+                "measured_mib": {k: round(v / MIB, 1) for k, v in measured.items()},
+                "formula_mib": {k: round(v / MIB, 1) for k, v in estimate.items()},
+                "rss_mib": {
+                    "before_load": round(before["now"]),
+                    "peak_while_loading": round(set_up["peak"]),
+                    "after_loading": round(set_up["now"]),
+                    "peak_while_training": round(after["peak"]),
+                    "after_training": round(after["now"]),
+                },
+            }
+        )
+    )
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -30,9 +30,9 @@ import torch
 
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.targets import load_target, load_tokenizer
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter
+from eagle3_hf.training.tokenise import tokenise_data
 
 FIELDS = ["step", "cpu_hours", "set", "conversations", "supervised_tokens", "coverage", "sim_accept_len"] + [
     f"acc_{j}" for j in range(7)
@@ -87,8 +87,13 @@ def plot(rows: list[dict], path: str) -> None:
         mine = sorted((r for r in rows if r["set"] == name), key=lambda r: int(r["step"]))
         steps = [int(r["step"]) for r in mine]
         axes[0].plot(steps, [float(r["acc_0"]) for r in mine], marker="o", label=f"{name}: step-0 accuracy")
-        axes[0].plot(steps, [float(r["sim_accept_len"]) - 1 for r in mine], marker="x", linestyle="--",
-                     label=f"{name}: simulated acceptance - 1")  # fmt: skip
+        axes[0].plot(
+            steps,
+            [float(r["sim_accept_len"]) - 1 for r in mine],
+            marker="x",
+            linestyle="--",
+            label=f"{name}: simulated acceptance - 1",
+        )
         timed = [r for r in mine if r["cpu_hours"] not in ("", None)]
         axes[1].plot([float(r["cpu_hours"]) for r in timed], [float(r["acc_0"]) for r in timed], marker="o", label=name)
     axes[0].set_xlabel("training steps")
@@ -107,8 +112,13 @@ def main() -> None:
     parser.add_argument("--run", required=True, help="training output folder (checkpoint-N folders)")
     parser.add_argument("--init-draft", default=None, help="the draft the run started from (step 0)")
     parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--eval", action="append", required=True, metavar="NAME=DATA[:held-out]",
-                        help="an evaluation set; ':held-out' keeps only the conversations training leaves out")
+    parser.add_argument(
+        "--eval",
+        action="append",
+        required=True,
+        metavar="NAME=DATA[:held-out]",
+        help="an evaluation set; ':held-out' keeps only the conversations training leaves out",
+    )
     parser.add_argument("--max-conversations", type=int, default=200, help="per set")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--every", type=int, default=1, help="evaluate every n-th checkpoint (and the last)")
@@ -144,8 +154,12 @@ def main() -> None:
             draft = load_draft_for(args.target, target, path).to(dtype=dtype)
             metrics = evaluate_draft(draft, target, rows, batch_size=4)
             hours = cpu_hours_at(step, pairs)
-            row = {"step": step, "cpu_hours": "" if hours is None else round(hours, 3), "set": name,
-                   **{k: metrics.get(k) for k in FIELDS if k in metrics}}  # fmt: skip
+            row = {
+                "step": step,
+                "cpu_hours": "" if hours is None else round(hours, 3),
+                "set": name,
+                **{k: metrics.get(k) for k in FIELDS if k in metrics},
+            }
             done.append(row)
             print(json.dumps(row), flush=True)
     done.sort(key=lambda r: (r["set"], int(r["step"])))

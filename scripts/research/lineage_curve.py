@@ -38,9 +38,9 @@ import torch
 
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.targets import load_target, load_tokenizer
-from eagle3_hf.training.tokenise import tokenise_data
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.split import split_filter
+from eagle3_hf.training.tokenise import tokenise_data
 
 FIELDS = ["label", "trained_conversations", "source", "set", "supervised_tokens", "coverage", "sim_accept_len"] + [
     f"acc_{j}" for j in range(7)
@@ -107,8 +107,12 @@ def plot(rows: list[dict], fits: dict, target_accuracy: float, path: str) -> Non
             slope, intercept, start = fits[name]
             reach = conversations_for(target_accuracy, slope, intercept) or xs[-1]
             line_x = [start, max(xs[-1], reach)]
-            ax.plot(line_x, [intercept + slope * math.log2(x) for x in line_x], linestyle="--",
-                    label=f"{name}: fit, {slope:+.3f} per doubling")  # fmt: skip
+            ax.plot(
+                line_x,
+                [intercept + slope * math.log2(x) for x in line_x],
+                linestyle="--",
+                label=f"{name}: fit, {slope:+.3f} per doubling",
+            )
     ax.axhline(target_accuracy, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("training conversations processed by the lineage (log scale)")
@@ -122,13 +126,26 @@ def plot(rows: list[dict], fits: dict, target_accuracy: float, path: str) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--point", action="append", required=True, metavar="LABEL=CONVERSATIONS=SOURCE",
-                        help="a draft of the lineage: SOURCE is a folder or git:COMMIT (repeat, in any order)")
-    parser.add_argument("--git-draft-dir", default="eagle3_hf/drafts/smollm2-135m-instruct",
-                        help="the draft's folder inside the repository, for git:COMMIT sources")
+    parser.add_argument(
+        "--point",
+        action="append",
+        required=True,
+        metavar="LABEL=CONVERSATIONS=SOURCE",
+        help="a draft of the lineage: SOURCE is a folder or git:COMMIT (repeat, in any order)",
+    )
+    parser.add_argument(
+        "--git-draft-dir",
+        default="eagle3_hf/drafts/smollm2-135m-instruct",
+        help="the draft's folder inside the repository, for git:COMMIT sources",
+    )
     parser.add_argument("--target", default="smollm2")
-    parser.add_argument("--eval", action="append", required=True, metavar="NAME=DATA[:held-out]",
-                        help="an evaluation set (repeat); ':held-out' keeps only the held-out split")
+    parser.add_argument(
+        "--eval",
+        action="append",
+        required=True,
+        metavar="NAME=DATA[:held-out]",
+        help="an evaluation set (repeat); ':held-out' keeps only the held-out split",
+    )
     parser.add_argument("--max-conversations", type=int, default=200, help="per set")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -136,7 +153,7 @@ def main() -> None:
     parser.add_argument("--target-accuracy", type=float, default=0.60)
     parser.add_argument("--csv", required=True)
     parser.add_argument("--png", default=None)
-    args = parser.parse_args()  # fmt: skip
+    args = parser.parse_args()
     points = [parse_point(spec) for spec in args.point]
 
     done: list[dict] = []
@@ -167,8 +184,13 @@ def main() -> None:
                     path = checkout_draft(source[4:], args.git_draft_dir, os.path.join(scratch, label))
                 draft = load_draft_for(args.target, target, path).to(dtype=dtype)
                 metrics = evaluate_draft(draft, target, sets[name], batch_size=4)
-                row = {"label": label, "trained_conversations": conversations, "source": source, "set": name,
-                       **{k: metrics.get(k) for k in FIELDS if k in metrics}}  # fmt: skip
+                row = {
+                    "label": label,
+                    "trained_conversations": conversations,
+                    "source": source,
+                    "set": name,
+                    **{k: metrics.get(k) for k in FIELDS if k in metrics},
+                }
                 done.append(row)
                 print(json.dumps(row), flush=True)
     done.sort(key=lambda r: (r["set"], int(r["trained_conversations"])))
@@ -180,8 +202,11 @@ def main() -> None:
 
     fits = {}
     for name, _, _ in specs:
-        fitted = [(int(r["trained_conversations"]), float(r["acc_0"])) for r in done
-                  if r["set"] == name and int(r["trained_conversations"]) >= args.fit_from]  # fmt: skip
+        fitted = [
+            (int(r["trained_conversations"]), float(r["acc_0"]))
+            for r in done
+            if r["set"] == name and int(r["trained_conversations"]) >= args.fit_from
+        ]
         if len({n for n, _ in fitted}) < 2:
             print(f"{name}: fewer than two points at or past --fit-from {args.fit_from}; no fit.")
             continue
@@ -189,8 +214,10 @@ def main() -> None:
         reach = conversations_for(args.target_accuracy, slope, intercept)
         fits[name] = (slope, intercept, min(n for n, _ in fitted))
         where = "never (the fit does not rise)" if reach is None else f"{reach:,.0f} conversations"
-        print(f"{name}: {slope:+.4f} step-0 accuracy per doubling of training over {len(fitted)} points; "
-              f"{args.target_accuracy:.2f} reached at {where}")  # fmt: skip
+        print(
+            f"{name}: {slope:+.4f} step-0 accuracy per doubling of training over {len(fitted)} points; "
+            f"{args.target_accuracy:.2f} reached at {where}"
+        )
     if args.png:
         plot(done, fits, args.target_accuracy, args.png)
 

@@ -31,7 +31,7 @@ arm() {  # name, extra train flags...
   fi
   if [ ! -f "$dir/bench.json" ]; then
     eagle3-hf bench --target smollm2 --draft "$dir" --methods eagle3_chain --num-prompts 10 \
-      --max-new-tokens 128 --threads 1 --json "$dir/bench.json" --overwrite-output-dir
+      --max-new-tokens 128 --repeats 1 --threads 1 --json "$dir/bench.json" --overwrite-output-dir
   fi
 }
 

@@ -50,13 +50,15 @@ def build_cache(args: argparse.Namespace) -> None:
             ids = torch.tensor(dataset[i]["input_ids"])[None]
             out = target(input_ids=ids, output_hidden_states=True, use_cache=False)
             top, top_ids = out.logits[0].float().topk(TOP_K, dim=-1)  # [S, K] each
-            rows.append({
-                "ids": ids[0],
-                "mask": torch.tensor(dataset[i]["loss_mask"], dtype=torch.bool),
-                "taps": torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)[0].to(torch.bfloat16),
-                "top": top.to(torch.bfloat16),
-                "top_ids": top_ids.to(torch.int32),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "ids": ids[0],
+                    "mask": torch.tensor(dataset[i]["loss_mask"], dtype=torch.bool),
+                    "taps": torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)[0].to(torch.bfloat16),
+                    "top": top.to(torch.bfloat16),
+                    "top_ids": top_ids.to(torch.int32),
+                }
+            )
             if i % 100 == 0:
                 print(f"{i}/{len(dataset)} conversations, {time.time() - start:.0f} s", flush=True)
     torch.save({"rows": rows, "layers": layers}, args.output)
@@ -226,12 +228,14 @@ def run(args: argparse.Namespace) -> None:
             start += time.process_time() - start - used  # evaluation time does not count against the budget
             next_eval += args.eval_every
     result = {
-        "name": args.name, "steps": step, "train_cpu_s": round(time.process_time() - start),
+        "name": args.name,
+        "steps": step,
+        "train_cpu_s": round(time.process_time() - start),
         "train_acc_0_last100": sum(accs[-100:]) / max(1, len(accs[-100:])),
         "options": {k: v for k, v in vars(args).items() if k not in ("func", "train", "eval", "results")},
         "eval": {path: recipe.evaluate(rows) for path, rows in evals.items()},
         "curve": curve,
-    }  # fmt: skip
+    }
     print(json.dumps(result))
     with open(args.results, "a") as f:
         f.write(json.dumps(result) + "\n")
@@ -258,8 +262,12 @@ def main() -> None:
     variant.add_argument("--save", default=None, help="save the trained draft here")
     variant.add_argument("--init-draft", default=None, help="continue this saved draft")
     variant.add_argument("--init", default="random", choices=["random", "head"], help="fresh draft initialisation")
-    variant.add_argument("--max-train", type=int, default=None,
-                         help="train on only the first N cached conversations (a fit test: can the draft learn them?)")
+    variant.add_argument(
+        "--max-train",
+        type=int,
+        default=None,
+        help="train on only the first N cached conversations (a fit test: can the draft learn them?)",
+    )
     variant.add_argument("--vocab", type=int, default=8192)
     variant.add_argument("--intermediate", type=int, default=0, help="MLP width (0: the target's)")
     variant.add_argument("--oov", default="mask", choices=["mask", "renorm"])

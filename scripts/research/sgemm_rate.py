@@ -35,8 +35,10 @@ def main() -> None:
         for _ in range(args.repeats):
             a @ b
         seconds = (time.perf_counter() - start) / args.repeats
-        print(f"{rows} x {inner} @ {inner} x {columns}: {seconds * 1e3:.1f} ms, "
-              f"{2 * rows * inner * columns / seconds / 1e9:.1f} GFLOP/s")  # fmt: skip
+        print(
+            f"{rows} x {inner} @ {inner} x {columns}: {seconds * 1e3:.1f} ms, "
+            f"{2 * rows * inner * columns / seconds / 1e9:.1f} GFLOP/s"
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ def build_trainer(train_argv: list[str]):  # noqa: ANN201 - an Eagle3Trainer, im
 
     from eagle3_hf.commands import train as train_command
     from eagle3_hf.commands.train_draft import build_draft
-
     from eagle3_hf.targets import load_target, resolve_target
     from eagle3_hf.training.trainer import Eagle3Trainer
 
@@ -130,26 +129,46 @@ def profile(trainer, batches: int, warmup: int, reference_head: bool = False) ->
         tokens += ids.numel()
         real += int(mask.sum())
     total = sum(clock.seconds.values())
-    rows = [{"part": part, "seconds_per_batch": s / batches, "share": s / total, "cpu_s_per_1k_supervised":
-             1000 * s / supervised} for part, s in clock.seconds.items()]  # fmt: skip
-    return {"batches": batches, "batch_size": args.per_device_train_batch_size, "threads": torch.get_num_threads(),
-            "supervised_tokens": supervised, "tokens": tokens, "padding_share": 1 - real / tokens,
-            "cpu_s_per_1k_supervised": 1000 * total / supervised, "seconds_per_batch": total / batches,
-            "head": "separate ops" if fused is None else "fused", "parts": rows}  # fmt: skip
+    rows = [
+        {
+            "part": part,
+            "seconds_per_batch": s / batches,
+            "share": s / total,
+            "cpu_s_per_1k_supervised": 1000 * s / supervised,
+        }
+        for part, s in clock.seconds.items()
+    ]
+    return {
+        "batches": batches,
+        "batch_size": args.per_device_train_batch_size,
+        "threads": torch.get_num_threads(),
+        "supervised_tokens": supervised,
+        "tokens": tokens,
+        "padding_share": 1 - real / tokens,
+        "cpu_s_per_1k_supervised": 1000 * total / supervised,
+        "seconds_per_batch": total / batches,
+        "head": "separate ops" if fused is None else "fused",
+        "parts": rows,
+    }
 
 
 def format_table(report: dict) -> str:
     lines = ["| part | s per micro-batch | share | CPU-s per 1,000 supervised tokens |", "|---|---|---|---|"]
     for row in report["parts"]:
-        lines.append(f"| {row['part']} | {row['seconds_per_batch']:.3f} | {100 * row['share']:.1f}% | "
-                     f"{row['cpu_s_per_1k_supervised']:.3f} |")  # fmt: skip
-    lines.append(f"| **step (all parts)** | {report['seconds_per_batch']:.3f} | 100% | "
-                 f"{report['cpu_s_per_1k_supervised']:.3f} |")  # fmt: skip
+        lines.append(
+            f"| {row['part']} | {row['seconds_per_batch']:.3f} | {100 * row['share']:.1f}% | "
+            f"{row['cpu_s_per_1k_supervised']:.3f} |"
+        )
+    lines.append(
+        f"| **step (all parts)** | {report['seconds_per_batch']:.3f} | 100% | {report['cpu_s_per_1k_supervised']:.3f} |"
+    )
     lines.append("")
-    lines.append(f"Head and loss: {report.get('head', 'separate ops')}. "
-                 f"{report['batches']} micro-batches of {report['batch_size']}, {report['threads']} thread(s): "
-                 f"{report['supervised_tokens']:,} supervised of {report['tokens']:,} computed tokens; "
-                 f"{100 * report['padding_share']:.1f}% of computed tokens are padding.")  # fmt: skip
+    lines.append(
+        f"Head and loss: {report.get('head', 'separate ops')}. "
+        f"{report['batches']} micro-batches of {report['batch_size']}, {report['threads']} thread(s): "
+        f"{report['supervised_tokens']:,} supervised of {report['tokens']:,} computed tokens; "
+        f"{100 * report['padding_share']:.1f}% of computed tokens are padding."
+    )
     return "\n".join(lines)
 
 
@@ -178,8 +197,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=12, help="micro-batches timed (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=2, help="micro-batches run first and not timed")
-    parser.add_argument("--reference-head", action="store_true",
-                        help="run the head and loss as separate ops (the step before the fused head)")
+    parser.add_argument(
+        "--reference-head",
+        action="store_true",
+        help="run the head and loss as separate ops (the step before the fused head)",
+    )
     add_run_options(parser)
     args = parser.parse_args()
     if args.batches < 1 or args.warmup < 0:

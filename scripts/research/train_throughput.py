@@ -71,8 +71,18 @@ def measure(train_argv: list[str], steps: int, warmup: int) -> dict[str, Any]:
     import torch
     from transformers import TrainerCallback
 
-    quiet = ["--max-steps", str(warmup + steps), "--save-strategy", "no", "--logging-steps", str(10**9),
-             "--report-to", "none", "--disable-tqdm", "true"]  # fmt: skip
+    quiet = [
+        "--max-steps",
+        str(warmup + steps),
+        "--save-strategy",
+        "no",
+        "--logging-steps",
+        str(10**9),
+        "--report-to",
+        "none",
+        "--disable-tqdm",
+        "true",
+    ]
     trainer = build_trainer(train_argv + quiet)  # the last occurrence of an option wins
     meter = Meter(warmup, steps)
 
@@ -119,9 +129,12 @@ def main() -> int:
         parser.error(f"--steps and --warmup must be >= 1, got {args.steps} and {args.warmup}.")
     report = measure(train_arguments(parser, args), args.steps, args.warmup)
     print(json.dumps(report, indent=2))
-    print(f"{report['commit']}: {report['conversations_per_cpu_hour']:,} conversations and "
-          f"{report['supervised_tokens_per_cpu_hour']:,} supervised tokens per CPU-hour "
-          f"({report['threads']} thread(s), {args.steps} steps after {args.warmup}).", file=sys.stderr)  # fmt: skip
+    print(
+        f"{report['commit']}: {report['conversations_per_cpu_hour']:,} conversations and "
+        f"{report['supervised_tokens_per_cpu_hour']:,} supervised tokens per CPU-hour "
+        f"({report['threads']} thread(s), {args.steps} steps after {args.warmup}).",
+        file=sys.stderr,
+    )
     write_report(args.json, report)
     return 0
 

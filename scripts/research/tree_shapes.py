@@ -78,14 +78,15 @@ def main() -> int:
                 s["same"] += int(new == reference)
                 s["cycles"] += cycles or 0
     plain_rate = stats["plain"]["tokens"] / stats["plain"]["seconds"]
-    print(f"{len(prompts)} MT-bench prompts x {args.max_new_tokens} tokens, {short_name(dtype)}, "
-          f"{torch.get_num_threads()} thread(s)")  # fmt: skip
+    print(
+        f"{len(prompts)} MT-bench prompts x {args.max_new_tokens} tokens, {short_name(dtype)}, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
     print(f"{'method':<18} {'tokens/s':>8} {'vs plain':>8} {'tokens/cycle':>12} {'identical':>9}")
     for name, s in stats.items():
         rate = s["tokens"] / s["seconds"]
         per_cycle = f"{s['tokens'] / s['cycles']:.2f}" if s["cycles"] else "-"
-        print(f"{name:<18} {rate:>8.2f} {rate / plain_rate:>7.2f}x {per_cycle:>12} "
-              f"{s['same']:>4}/{len(prompts)}")  # fmt: skip
+        print(f"{name:<18} {rate:>8.2f} {rate / plain_rate:>7.2f}x {per_cycle:>12} {s['same']:>4}/{len(prompts)}")
     return 0
 
 

@@ -77,8 +77,13 @@ def child(length: int, ttt_length: int, dtype: str, checkpointing: bool) -> dict
     out = ttt_loss(states, top_logits, loss_mask, draft.t2d, target_ids=top_ids, **heads)
     out.loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"length": length, "peak_rss_mib": round(peak), "baseline_mib": round(baseline),
-            "step_mib": round(peak - baseline), "loss": round(float(out.loss), 4)}  # fmt: skip
+    return {
+        "length": length,
+        "peak_rss_mib": round(peak),
+        "baseline_mib": round(baseline),
+        "step_mib": round(peak - baseline),
+        "loss": round(float(out.loss), 4),
+    }
 
 
 def main() -> None:
@@ -87,8 +92,12 @@ def main() -> None:
     parser.add_argument("--ttt-length", type=int, default=7)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--mmap-threshold", type=int, default=2**20, help="MALLOC_MMAP_THRESHOLD_ of each child, "
-                        "bytes (0: glibc's dynamic default)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=2**20,
+        help="MALLOC_MMAP_THRESHOLD_ of each child, bytes (0: glibc's dynamic default)",
+    )
     parser.add_argument("--cap-gib", type=float, default=12.0, help="heap cap of each child (RLIMIT_DATA)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -101,8 +110,18 @@ def main() -> None:
     extra += f", mmap threshold {args.mmap_threshold}" if args.mmap_threshold else ", dynamic mmap threshold"
     print(f"| tokens | peak RSS (MiB) | step's share (MiB) |  (ttt_length {args.ttt_length}, {args.dtype}{extra})")
     for length in args.lengths:
-        command = [sys.executable, __file__, "--child", str(length), "--ttt-length", str(args.ttt_length),
-                   "--dtype", args.dtype, "--cap-gib", str(args.cap_gib)]  # fmt: skip
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(length),
+            "--ttt-length",
+            str(args.ttt_length),
+            "--dtype",
+            args.dtype,
+            "--cap-gib",
+            str(args.cap_gib),
+        ]
         command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
         env = dict(os.environ)
         if args.mmap_threshold:
