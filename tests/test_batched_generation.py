@@ -20,8 +20,15 @@ from test_generation import (
     plain,
     smollm2,  # noqa: F401 (the SmolLM2 fixture)
 )
-from test_sampling import CHI2_CRITICAL_0001, REPEATING, N, chi_square, exact_law_of_tokens_2_and_3
-from test_sampling import TREES as SAMPLED_TREES  # noqa: F401 (models: the sampling fixture)
+from test_sampling import (
+    CHI2_CRITICAL_0001,
+    REPEATING,
+    N,
+    chi_square,
+    exact_law_of_tokens_2_and_3,
+    models,  # noqa: F401 (the sampling fixture)
+)
+from test_sampling import TREES as SAMPLED_TREES
 from test_sampling import V as SV
 from transformers import TextStreamer
 
