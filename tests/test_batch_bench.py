@@ -50,6 +50,34 @@ def test_tiny_batched_benchmark_compares_rows_with_plain():
     assert table[3].startswith("| 2 | ") and table[3].endswith(" | 4/4 |")
 
 
+def test_tiny_batched_benchmark_hands_the_corpus_to_eagle3_only():
+    from eagle3_hf.generation.corpus_index import CorpusIndex
+
+    target = _tiny_target()
+    draft = Eagle3DraftModel.from_target(target).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 24, (1, n), generator=generator) for n in (5, 8)]
+    # the corpus holds the target's own greedy answers, so its continuations are accepted
+    answers = [target.generate(p, do_sample=False, max_new_tokens=8, pad_token_id=0)[0, p.shape[1] :] for p in prompts]
+    corpus = CorpusIndex.build(answers, vocab_size=target.config.vocab_size)
+    calls = []
+    generate = target.generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    target.generate = spy
+    report = run_batch_benchmark(
+        {torch.float32: target}, draft, torch.float32, prompts, [2], 8, {"adaptive_tree": False}, 1, 0, corpus=corpus
+    )
+    assert report["corpus"] == "CorpusIndex"
+    assert report["batch_sizes"]["2"]["rows_identical_to_plain"] == "2/2"
+    eagle = [c for c in calls if "assistant_model" in c]
+    assert eagle and all(c["corpus"] is corpus for c in eagle)
+    assert all("corpus" not in c for c in calls if "assistant_model" not in c)
+
+
 @pytest.mark.parametrize("value", ["0", "4,x", ""])
 def test_bench_refuses_bad_batch_sizes(capsys, value):
     code, _, err = run(capsys, "bench", "--batch-size", value)

@@ -11,6 +11,7 @@ with plain decoding's row at the same precision.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any
@@ -60,21 +61,26 @@ def run_batch_benchmark(
     tree_kwargs: dict[str, Any],
     repeats: int,
     pad_id: int,
+    corpus: Any = None,
 ) -> dict[str, Any]:
     """Tokens/s per batch size and configuration (`plain_fp32`, `plain_bf16`, `eagle3_tree_<spec>`), and how many
-    EAGLE-3 rows equal plain decoding's at the speculative precision."""
+    EAGLE-3 rows equal plain decoding's at the speculative precision. `corpus` (a `CorpusIndex` or its file) is
+    handed to EAGLE-3's `generate()`, whose hybrid tree then proposes from it too."""
     eos = targets[spec_dtype].generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     names = {f"plain_{short_name(d)}": d for d in sorted(targets, key=str)}
     eagle_name = f"eagle3_tree_{short_name(spec_dtype)}"
     report: dict[str, Any] = {"batch_sizes": {}, "max_new_tokens": max_new_tokens, "repeats": repeats}
+    eagle_options = dict(tree_kwargs, **({} if corpus is None else {"corpus": corpus}))
+    if corpus is not None:
+        report["corpus"] = str(corpus) if isinstance(corpus, (str, os.PathLike)) else type(corpus).__name__
     for size in batch_sizes:
         batches = left_padded_batches(prompts, size, pad_id)
 
         def decode(name: str, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
             options = dict(attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=pad_id)
             if name == eagle_name:
-                return targets[spec_dtype].generate(ids, assistant_model=draft, **options, **tree_kwargs)
+                return targets[spec_dtype].generate(ids, assistant_model=draft, **options, **eagle_options)
             return targets[names[name]].generate(ids, **options)
 
         configs = [*names, eagle_name]

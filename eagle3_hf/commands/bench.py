@@ -297,7 +297,16 @@ def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sizes = [int(size) for size in args.batch_size.split(",") if size.strip()]
     report = run_batch_benchmark(
-        targets, draft, spec_dtype, prompts, sizes, args.max_new_tokens, tree_kwargs, args.repeats, pad_id or 0
+        targets,
+        draft,
+        spec_dtype,
+        prompts,
+        sizes,
+        args.max_new_tokens,
+        tree_kwargs,
+        args.repeats,
+        pad_id or 0,
+        corpus=args.corpus,
     )
     report["enable_thinking"] = args.enable_thinking
     report["environment"] = environment()
