@@ -19,8 +19,8 @@ machine holds fails its allocation instead of pushing other processes out; it is
 Usage (one measurement at a time; memory, not time, is what it measures):
 
     python scripts/research/ttt_memory.py --lengths 2048 4096 8192 --ttt-length 7 [--gradient-checkpointing]
-    # main's code, for the "before" column:
-    PYTHONPATH=/work/main python scripts/research/ttt_memory.py --lengths 2048 4096 8192
+    # the code before the chunked attention, for the "before" column (a worktree of commit 35b1f80):
+    git worktree add ../before 35b1f80 && PYTHONPATH=../before python scripts/research/ttt_memory.py --lengths 2048 4096 8192
 """
 
 from __future__ import annotations
