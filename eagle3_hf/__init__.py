@@ -2,9 +2,9 @@
 
 The public names load on first use (PEP 562), so that `import eagle3_hf` and `eagle3-hf --help` stay instant: torch
 and transformers are imported only when a name such as `Eagle3DraftModel` is first read. That first read registers
-`Eagle3DraftConfig` / `Eagle3DraftModel` with `AutoConfig` and `AutoModel` (model_type "eagle3_draft") and imports
-`eagle3_hf.generation`, which makes `Eagle3DraftModel.bind` route `generate()` to EAGLE-3; that is the package's
-only side effect.
+`Eagle3DraftConfig` / `Eagle3DraftModel` with `AutoConfig` and `AutoModel` (model_type "eagle3_draft"); that is
+the package's only side effect. `bind_target(draft, target)` makes `target.generate(..., assistant_model=draft)`
+run EAGLE-3 on that one target instance.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _PUBLIC = {
     "ContextLookup": "eagle3_hf.generation.decoding",
+    "bind_target": "eagle3_hf.generation.decoding",
     "SUPPORTED_LAYER_TYPES": "eagle3_hf.modeling.configuration_eagle3",
     "Eagle3DraftConfig": "eagle3_hf.modeling.configuration_eagle3",
     "default_target_layer_ids": "eagle3_hf.modeling.configuration_eagle3",
@@ -28,10 +29,10 @@ __all__ = [*sorted(_PUBLIC), "__version__"]
 
 
 def _load() -> None:
-    """Import the model, register it with the Auto classes, and register generation's `bind`."""
+    """Import the public names and register the model with the Auto classes."""
     from transformers import AutoConfig, AutoModel
 
-    from eagle3_hf import generation as _generation  # registers `bind_target`
+    from eagle3_hf.generation import decoding
     from eagle3_hf.modeling import configuration_eagle3, modeling_eagle3
 
     AutoConfig.register(
@@ -41,7 +42,7 @@ def _load() -> None:
     modules = {
         "eagle3_hf.modeling.configuration_eagle3": configuration_eagle3,
         "eagle3_hf.modeling.modeling_eagle3": modeling_eagle3,
-        "eagle3_hf.generation.decoding": _generation.decoding,
+        "eagle3_hf.generation.decoding": decoding,
     }
     globals().update({name: getattr(modules[module], name) for name, module in _PUBLIC.items()})
 

@@ -36,12 +36,12 @@ def check_draft_option(target_name: str, draft: str | None) -> None:
 def load_draft_for(target_name: str, target: Any, draft: str | None = None) -> Any:
     """The draft to use with `target`: a folder, a shipped draft's name or a Hub id, the one shipped for
     `target_name` (`None`), a fresh random one (`"random"`), or no model at all (`"lookup"`: a `ContextLookup`,
-    the context lookup's tree alone, bound to `target`)."""
-    from eagle3_hf import ContextLookup, Eagle3DraftModel
+    the context lookup's tree alone); `target.generate` is bound to it (`bind_target`)."""
+    from eagle3_hf import ContextLookup, Eagle3DraftModel, bind_target
 
     if draft == LOOKUP_DRAFT:
         return ContextLookup().bind(target)
     if draft == RANDOM_DRAFT:
-        return Eagle3DraftModel.from_target(target).eval()
+        return bind_target(Eagle3DraftModel.from_target(target).eval(), target)
     path = shipped_draft_path(target_name) if draft is None else draft
-    return Eagle3DraftModel.from_pretrained(path, target=target).eval()
+    return bind_target(Eagle3DraftModel.from_pretrained(path, target=target).eval(), target)

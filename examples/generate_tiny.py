@@ -6,7 +6,7 @@ The output equals plain greedy generate token for token, whatever the draft prop
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 
 torch.manual_seed(0)
 target = LlamaForCausalLM(
@@ -19,7 +19,7 @@ target = LlamaForCausalLM(
         vocab_size=32,
     )
 ).eval()
-draft = Eagle3DraftModel.from_target(target).eval()  # bound to `target`
+draft = bind_target(Eagle3DraftModel.from_target(target).eval(), target)  # bound to `target`
 
 ids = torch.randint(3, 32, (1, 8))
 out = target.generate(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from trainer_callbacks import StopAt
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.distributed import fsdp_memory_per_process, is_fsdp2_module, parameter_bytes
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
@@ -96,7 +96,7 @@ def run_training(out: pathlib.Path) -> dict:
     gathered = whole.accelerator.get_state_dict(whole.model)  # a collective: every process
     if dist.get_rank() == 0:
         reference = tiny.make_tiny_target()  # the same (seeded) weights, unsharded, in one process
-        draft = Eagle3DraftModel.from_pretrained(str(out / "final"), target=reference).eval()
+        draft = bind_target(Eagle3DraftModel.from_pretrained(str(out / "final"), target=reference).eval(), reference)
         summary["reload_equal"] = all(torch.equal(v, gathered[k]) for k, v in draft.state_dict().items())
         ids = torch.tensor([[5, 9, 13, 17, 21]])
         plain = reference.generate(ids, max_new_tokens=12, do_sample=False)

@@ -5,7 +5,7 @@ import torch
 from test_benchmark import _tiny_target
 from test_cli import assert_clean_error, run
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.bench.batch import format_batch_table, left_padded_batches, run_batch_benchmark
 
 
@@ -23,7 +23,7 @@ def test_batches_are_left_padded_groups_cycled_to_fill():
 
 def test_tiny_batched_benchmark_compares_rows_with_plain():
     target = _tiny_target()
-    draft = Eagle3DraftModel.from_target(target).eval()
+    draft = bind_target(Eagle3DraftModel.from_target(target).eval(), target)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 24, (1, n), generator=generator) for n in (4, 9, 6, 7)]
     report = run_batch_benchmark(
@@ -54,7 +54,7 @@ def test_tiny_batched_benchmark_hands_the_corpus_to_eagle3_only():
     from eagle3_hf.generation.corpus_index import CorpusIndex
 
     target = _tiny_target()
-    draft = Eagle3DraftModel.from_target(target).eval()
+    draft = bind_target(Eagle3DraftModel.from_target(target).eval(), target)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 24, (1, n), generator=generator) for n in (5, 8)]
     # the corpus holds the target's own greedy answers, so its continuations are accepted

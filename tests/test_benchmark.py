@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.bench.cards import format_rates
 from eagle3_hf.bench.runner import (
     acceptance_by_depth,
@@ -97,7 +97,7 @@ def test_configurations_list_plain_in_both_precisions_and_eagle3_at_the_speculat
 
 def test_tiny_benchmark_reports_every_configuration():
     target = _tiny_target()
-    draft = Eagle3DraftModel.from_target(target).eval()
+    draft = bind_target(Eagle3DraftModel.from_target(target).eval(), target)
     prompts = [torch.randint(3, 24, (1, 6)) for _ in range(2)]
     configs = bench_configs(torch.float32, ("plain", "prompt_lookup", "eagle3_chain", "eagle3_tree"), (torch.float32,))
     report = run_benchmark(
@@ -153,7 +153,7 @@ def test_tiny_benchmark_reports_every_configuration():
 
 def test_lookup_methods_report_their_sources_and_the_best_prompt_lookup():
     target = _tiny_target()
-    draft = Eagle3DraftModel.from_target(target).eval()
+    draft = bind_target(Eagle3DraftModel.from_target(target).eval(), target)
     phrase = torch.randint(3, 24, (5,), generator=torch.Generator().manual_seed(0))
     prompts = [torch.cat([phrase] * 3)[None]]  # repeats, so that the lookups fire
     configs = bench_configs(
@@ -278,8 +278,8 @@ def test_bf16_flips_happen_only_at_near_ties():
     ).eval()
     low = cast_weights(copy.deepcopy(target), torch.bfloat16)
     drafts = {
-        torch.bfloat16: Eagle3DraftModel.from_target(low).eval(),
-        torch.float32: Eagle3DraftModel.from_target(target).eval(),
+        torch.bfloat16: bind_target(Eagle3DraftModel.from_target(low).eval(), low),
+        torch.float32: bind_target(Eagle3DraftModel.from_target(target).eval(), target),
     }
     prompts = [torch.randint(3, 300, (1, 8)) for _ in range(4)]
     targets = {torch.float32: target, torch.bfloat16: low}

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.cli import main as cli_main
 
 torch.set_num_threads(1)
@@ -286,8 +286,8 @@ def test_bind_refuses_a_target_with_another_embedding(tiny):
     torch.manual_seed(1)
     other = LlamaForCausalLM(target.config).eval()  # the same shapes, other weights
     with pytest.raises(ValueError, match="embedding differs from the target's"):
-        draft.bind(other)
-    draft.bind(target)  # its own target still binds
+        bind_target(draft, other)
+    assert bind_target(draft, target) is draft  # its own target still binds
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_tree_options_on_a_generation_config_and_other_methods_refused(tiny):
     from transformers import GenerationConfig
 
     _, target = tiny
-    draft = Eagle3DraftModel.from_target(target).eval()
+    draft = bind_target(Eagle3DraftModel.from_target(target).eval(), target)
     ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(0))
     common = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True}
     config = GenerationConfig(tree_depth=2, tree_top_k=1, tree_total_tokens=3, adaptive_tree=False, **common)

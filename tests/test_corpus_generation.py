@@ -17,7 +17,7 @@ from test_generation import FAMILIES, NEW, V, cached_cases, eagle, make_prompts,
 from test_sampling import REPEATING, SETTINGS, TREES, check_law, models  # noqa: F401 (models: the sampling fixture)
 from test_sampling import V as SV
 
-from eagle3_hf import ContextLookup, Eagle3DraftModel
+from eagle3_hf import ContextLookup, Eagle3DraftModel, bind_target
 from eagle3_hf.generation.context_index import build_trie
 from eagle3_hf.generation.corpus_index import CORPUS_FILE, CorpusIndex
 from eagle3_hf.generation.corpus_source import CorpusSource, GrowingCorpus, open_corpus
@@ -218,7 +218,7 @@ def test_a_drafts_corpus_file_is_loaded_with_it(cases, tmp_path):
     draft.save_pretrained(tmp_path)
     assert Eagle3DraftModel.from_pretrained(tmp_path, target=target).corpus is None
     corpus.save(tmp_path / CORPUS_FILE)
-    loaded = Eagle3DraftModel.from_pretrained(tmp_path, target=target)
+    loaded = bind_target(Eagle3DraftModel.from_pretrained(tmp_path, target=target), target)
     assert loaded.corpus == str(tmp_path / CORPUS_FILE)
     # no context lookup: a node of several sources is then the draft's and the corpus's
     options = dict(

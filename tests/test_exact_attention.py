@@ -18,7 +18,7 @@ from exactness import EXPECTATIONS, assert_near_ties, case, expectation, probe_f
 from test_generation import FAMILIES, SHAPE
 from transformers.cache_utils import DynamicCache
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.bench.report import NEAR_TIE_ULPS, ulp
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.utils.compat import cache_kwargs
@@ -165,7 +165,7 @@ def bf16_case():
         if (family, implementation) not in cache:
             target = bf16_target(family, implementation)
             torch.manual_seed(1)
-            draft = Eagle3DraftModel.from_target(target)
+            draft = bind_target(Eagle3DraftModel.from_target(target), target)
             generator = torch.Generator().manual_seed(0)
             prompts = [torch.randint(0, V, (1, n), generator=generator) for n in (3, 9, 17)]
             cache[family, implementation] = (target, draft, prompts, [greedy(target, p) for p in prompts])

@@ -40,7 +40,7 @@ from transformers.generation import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel
+from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel, bind_target
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation.decoding import Eagle3GenerateOutput
 from eagle3_hf.generation.node_scores import NodeScores
@@ -89,7 +89,7 @@ def make_target(family, **overrides):
 def make_pair(family, **overrides):
     target = make_target(family, **overrides)
     torch.manual_seed(1)
-    return target, Eagle3DraftModel.from_target(target)  # from_target binds the draft to the target
+    return target, bind_target(Eagle3DraftModel.from_target(target), target)
 
 
 def make_prompts(lengths=(3, 7, 12, 20), seed=0):
@@ -172,7 +172,7 @@ def test_deeper_draft_greedy_matches_plain_generate(family_case, family):
     """A random 2-layer draft: every layer's KV buffer stays in step with the verified tokens, so output is exact."""
     target, _, prompts, references = family_case(family)
     torch.manual_seed(2)
-    draft = Eagle3DraftModel.from_target(target, num_hidden_layers=2)
+    draft = bind_target(Eagle3DraftModel.from_target(target, num_hidden_layers=2), target)
     assert len(draft.upper_layers) == 1
     cycles = gained = 0
     for tree in ("wide", "deep"):
@@ -501,7 +501,9 @@ def smollm2(tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     target = load_target(SMOLLM2)  # fp32
     torch.manual_seed(0)
-    draft = Eagle3DraftModel.from_target(target)  # random, bound; draft_vocab_size defaults to the full vocabulary
+    draft = bind_target(
+        Eagle3DraftModel.from_target(target), target
+    )  # random; draft_vocab_size defaults to the full vocabulary
     return target, draft, tokenizer
 
 

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 
 V = 8
 PROMPT = torch.tensor([[1, 5, 2, 7]])
@@ -51,7 +51,7 @@ def models():
     with torch.no_grad():
         target.lm_head.weight.mul_(8)  # sharper target distributions, so top-p removes tokens
     torch.manual_seed(1)
-    return target, Eagle3DraftModel.from_target(target)
+    return target, bind_target(Eagle3DraftModel.from_target(target), target)
 
 
 def warpers(temperature, top_p):

@@ -11,7 +11,7 @@ from exactness import rowwise_linears
 from test_exact_attention import RowDependentMLP, V, bf16_target
 
 import eagle3_hf.generation.verify_choice as verify_choice
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.generation.verify_choice import PROVEN, check_exact_verify, choose_verification
 
 NEW = 16
@@ -57,7 +57,7 @@ def probes(monkeypatch):
 def test_auto_runs_row_exact_where_the_probe_proves_it_and_output_equals_plain(probes):
     target = exact_target()
     torch.manual_seed(1)
-    draft = Eagle3DraftModel.from_target(target)
+    draft = bind_target(Eagle3DraftModel.from_target(target), target)
     out = generate(target, draft)
     assert out.verification == "row-exact" and out.verification_reason.startswith(PROVEN)
     assert "bit for bit" in out.verification_reason
@@ -77,7 +77,7 @@ def test_auto_runs_row_exact_where_the_probe_proves_it_and_output_equals_plain(p
 def test_auto_verifies_in_one_call_where_the_probe_fails(probes):
     target = broken_target()
     torch.manual_seed(1)
-    draft = Eagle3DraftModel.from_target(target)
+    draft = bind_target(Eagle3DraftModel.from_target(target), target)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto never warns: it chooses
         out = generate(target, draft)
@@ -89,7 +89,7 @@ def test_auto_verifies_in_one_call_where_the_probe_fails(probes):
 def test_forced_row_exact_where_the_probe_fails_warns_once_naming_the_hardware(probes):
     target = broken_target()
     torch.manual_seed(1)
-    draft = Eagle3DraftModel.from_target(target)
+    draft = bind_target(Eagle3DraftModel.from_target(target), target)
     with pytest.warns(
         UserWarning, match=r"exact_verify=True on hardware where .* first at model\.layers\.1\.mlp .*CPU"
     ):
@@ -104,7 +104,7 @@ def test_forced_row_exact_where_the_probe_fails_warns_once_naming_the_hardware(p
 def test_off_runs_one_call_without_probing(probes):
     target = exact_target()
     torch.manual_seed(1)
-    out = generate(target, Eagle3DraftModel.from_target(target), exact_verify=False)
+    out = generate(target, bind_target(Eagle3DraftModel.from_target(target), target), exact_verify=False)
     assert out.verification == "one-call" and out.verification_reason == "exact_verify=False"
     assert probes == []
 
@@ -135,7 +135,7 @@ def test_batches_and_other_devices_verify_in_one_call_without_probing(probes):
 def test_a_batch_reports_its_verification_and_refuses_forced_row_exact():
     target = exact_target()
     torch.manual_seed(1)
-    draft = Eagle3DraftModel.from_target(target)
+    draft = bind_target(Eagle3DraftModel.from_target(target), target)
     prompts = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))
     kwargs = dict(attention_mask=torch.ones_like(prompts), assistant_model=draft, do_sample=False, max_new_tokens=8)
     out = target.generate(prompts, return_dict_in_generate=True, **kwargs)
@@ -151,7 +151,7 @@ def test_a_bad_setting_names_the_value(value):
     target = exact_target()
     torch.manual_seed(1)
     with pytest.raises(ValueError, match="exact_verify must be"):
-        generate(target, Eagle3DraftModel.from_target(target), exact_verify=value)
+        generate(target, bind_target(Eagle3DraftModel.from_target(target), target), exact_verify=value)
 
 
 def test_none_means_auto():

@@ -3,9 +3,8 @@
 How it plugs in. Stock assisted generation verifies single chains (even the candidate generators that
 read the target's hidden states), and transformers has no registry for candidate generators. Its public extension
 point for a whole decoding loop is `generate(custom_generate=callable)`: generate() still prepares
-the cache, logits processors and stopping criteria, then hands over. Binding a draft to a target
-(`draft.bind(target)`, done by `Eagle3DraftModel.from_pretrained(..., target=)` and `from_target`)
-sets `target.generate` on that one instance -- the same per-instance mechanism transformers itself
+the cache, logits processors and stopping criteria, then hands over. Binding a target to a draft
+(`bind_target(draft, target)`, or `ContextLookup().bind(target)`) sets `target.generate` on that one instance -- the same per-instance mechanism transformers itself
 uses for `custom_generate` folders shipped with a model -- to a thin wrapper: with an
 `Eagle3DraftModel` as `assistant_model` it calls the class's own `generate` with
 `custom_generate=eagle3_decoding`; otherwise it calls it unchanged. Nothing in transformers is
@@ -48,7 +47,7 @@ from eagle3_hf.generation.proposers import build_proposer
 from eagle3_hf.generation.target_cache import editable_cache
 from eagle3_hf.generation.verify_choice import check_exact_verify, choose_verification
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
-from eagle3_hf.modeling.target_fit import register_binder
+from eagle3_hf.modeling.target_fit import check_target, take_target_embedding
 from eagle3_hf.utils.compat import generate_output_cache_field
 
 # Per-call tree options, also read from a GenerationConfig (GenerationConfig(tree_depth=4) keeps unknown fields).
@@ -142,18 +141,24 @@ def _route_generate(target: PreTrainedModel) -> None:
 # binding
 
 
-def bind_target(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
-    """Check `draft` fits `target`, give it the target embedding if it lacks one, route generate() to EAGLE-3
-    (`draft.bind(target)`)."""
+def bind_target(draft: Eagle3DraftModel | ContextLookup, target: PreTrainedModel) -> Eagle3DraftModel | ContextLookup:
+    """Make `target.generate(..., assistant_model=draft)` run EAGLE-3 tree decoding; returns `draft`.
+
+    An `Eagle3DraftModel` is checked against `target` (`check_target`) and takes or compares its token embedding, as
+    `from_pretrained(..., target=)` does; then `target.generate` is set, on that one instance, to a wrapper that runs
+    tree decoding when `assistant_model` is an `Eagle3DraftModel` or a `ContextLookup` and stock generate() otherwise.
+    """
+    if isinstance(draft, ContextLookup):
+        return draft.bind(target)
     if not isinstance(draft, Eagle3DraftModel):
-        raise ValueError(f"bind_target expects an Eagle3DraftModel, got {type(draft).__name__}.")
-    draft.bind(target)
-
-
-@register_binder
-def _route_draft(draft: Eagle3DraftModel, target: PreTrainedModel) -> None:
-    """What `target_fit.route_generate` runs once the draft fits `target` (modeling checked it)."""
+        raise ValueError(
+            f"bind_target expects an Eagle3DraftModel or a ContextLookup, got {type(draft).__name__}; a stock "
+            "assistant model needs no binding (pass it to target.generate(assistant_model=...) as it is)."
+        )
+    check_target(draft.config, target)
+    take_target_embedding(draft, target, "the draft")
     _route_generate(target)
+    return draft
 
 
 def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig | None, kwargs: dict) -> None:

@@ -46,7 +46,7 @@ from eagle3_hf.modeling.layouts import (
     eagle_config_kwargs,
     speculators_config_kwargs,
 )
-from eagle3_hf.modeling.target_fit import check_target, route_generate, take_target_embedding
+from eagle3_hf.modeling.target_fit import check_target, take_target_embedding
 
 __all__ = [
     "LAYOUTS",
@@ -200,7 +200,8 @@ def load_draft(
         cls: the draft class (`Eagle3DraftModel` or a subclass).
         path_or_id: checkpoint folder or Hub repo id (`revision`, `cache_dir`, `token`, `subfolder`, ... apply).
         target: the target model. The draft is checked against it, takes its embedding when the checkpoint has
-            none, defaults to its dtype and device, and `target.generate` is routed to it (`route_generate`).
+            none, and defaults to its dtype and device (`eagle3_hf.bind_target(draft, target)` then routes
+            `target.generate(..., assistant_model=draft)` to EAGLE-3).
         use_target_embedding (`bool`): replace an embedding stored in the checkpoint by the target's; without it, a
             stored embedding that is not bit for bit the target's raises `ValueError` (one stored in a narrower dtype
             must be the target's rounded to it, and is then replaced by the target's own; see `embedding_mismatch`).
@@ -274,7 +275,6 @@ def load_draft(
         draft.to(device)
     if target is not None:
         take_target_embedding(draft, target, source, replace=use_target_embedding)
-        route_generate(draft, target)
     return draft
 
 

@@ -38,7 +38,7 @@ from eagle3_hf.modeling.families import get_family
 from eagle3_hf.modeling.head import Eagle3Head
 from eagle3_hf.modeling.masks import additive_mask, causal_mask
 from eagle3_hf.modeling.model_card import CARD_NAME, build_model_card, is_our_card
-from eagle3_hf.modeling.target_fit import check_target, route_generate, take_target_embedding
+from eagle3_hf.modeling.target_fit import check_target
 from eagle3_hf.modeling.vocab_mapping import draft_to_target_ids, validate_vocab_mapping
 from eagle3_hf.utils.atomic import apply_umask
 
@@ -152,7 +152,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         cls, target: PreTrainedModel, draft_vocab_size: int | None = None, **config_overrides: Any
     ) -> Eagle3DraftModel:
         """A freshly initialised draft for `target`: config derived from the target's (`config_overrides` checked
-        against it), embedding copied, and `target.generate(..., assistant_model=draft)` routed to EAGLE-3."""
+        against it), embedding copied, in the target's dtype and device (for generation, `eagle3_hf.bind_target`)."""
         config = Eagle3DraftConfig.from_target_config(
             target.config, draft_vocab_size=draft_vocab_size, **config_overrides
         )
@@ -160,9 +160,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         draft = cls(config)
         draft.load_target_embedding(target)
         ref = target.get_input_embeddings().weight
-        draft = draft.to(device=ref.device, dtype=ref.dtype)
-        route_generate(draft, target)
-        return draft
+        return draft.to(device=ref.device, dtype=ref.dtype)
 
     def load_target_embedding(self, target: PreTrainedModel) -> None:
         """Copy (and freeze) the target's token embedding, exactly (`set_embedding`), gathered from an FSDP2 target."""
@@ -312,7 +310,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         """Load a draft (a folder, a shipped draft's name such as "smollm2-135m-instruct", or a Hub id) in the
         native, official (SafeAILab), SpecForge or speculators layout (detected). With `target`, the draft is
         checked against it (hidden size, vocabulary, depth), takes its token embedding when the checkpoint has none,
-        and is bound to it so that `target.generate(..., assistant_model=draft)` runs EAGLE-3 tree decoding.
+        and takes its dtype and device; `eagle3_hf.bind_target(draft, target)` then makes
+        `target.generate(..., assistant_model=draft)` run EAGLE-3 tree decoding.
         """
         return load_draft(cls, pretrained_model_name_or_path, *model_args, target=target, **kwargs)
 
@@ -389,19 +388,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             # Read by stock assisted generation, which is what runs when a target was never bound to this draft.
             raise AttributeError(
                 "Eagle3DraftModel has no generation_config: it is not a standalone generator and cannot serve stock "
-                "assisted generation (chains without target hidden states). Bind it to its target first -- "
-                "`draft.bind(target)`, or load it with `Eagle3DraftModel.from_pretrained(path, target=target)` -- "
-                "then call `target.generate(..., assistant_model=draft)`."
+                "assisted generation (chains without target hidden states). Bind the target to it first -- "
+                "`eagle3_hf.bind_target(draft, target)` -- then call `target.generate(..., assistant_model=draft)`."
             )
         return super().__getattr__(name)
-
-    def bind(self, target: PreTrainedModel) -> Eagle3DraftModel:
-        """Check this draft against `target` (`check_target`), take or compare its embedding, and route
-        `target.generate(..., assistant_model=self)` to EAGLE-3."""
-        check_target(self.config, target)
-        take_target_embedding(self, target, "the draft")
-        route_generate(self, target, required=True)
-        return self
 
 
 __all__ = ["Eagle3DraftModel", "Eagle3DraftOutput", "Eagle3PreTrainedModel", "Eagle3DecoderLayer"]

@@ -1,15 +1,12 @@
-"""A draft fitted to its target: the one draft-fits-target check, the target's token embedding taken or compared, and
-`target.generate` routed to EAGLE-3.
+"""A draft fitted to its target: the one draft-fits-target check and the target's token embedding taken or compared.
 
-`Eagle3DraftModel.from_pretrained(..., target=)`, `from_target` and `bind` run `check_target` once per load (a
-`generate()` call checks once more, in `eagle3_decoding`). The decoding loop lives above `modeling/`, so the router
-that `route_generate` runs is registered here by `eagle3_hf.generation` when it is imported (reading any public name of
-`eagle3_hf` does); fitting a draft to a target does not need it.
+`Eagle3DraftModel.from_pretrained(..., target=)`, `from_target` and `eagle3_hf.bind_target` run `check_target` once
+each (a `generate()` call checks once more, in `eagle3_decoding`). Routing `target.generate` to EAGLE-3 is not done
+here: it needs the decoding loop, which lives above `modeling/` (`generation.decoding.bind_target`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -17,11 +14,12 @@ from transformers import PreTrainedModel
 from eagle3_hf.modeling.configuration_eagle3 import _TARGET_TO_LAYER_TYPE, Eagle3DraftConfig, default_target_layer_ids
 from eagle3_hf.modeling.embedding import embedding_mismatch, finer, stored_embedding, target_embedding
 
-__all__ = ["check_target", "register_binder", "route_generate", "take_target_embedding"]
+__all__ = ["check_target", "take_target_embedding"]
 
 
 def check_target(config: Eagle3DraftConfig, target: PreTrainedModel) -> None:
-    """The one draft-fits-target check (run once per load: `from_pretrained(..., target=)`, `from_target`, `bind`):
+    """The one draft-fits-target check (run once per load or bind: `from_pretrained(..., target=)`, `from_target`,
+    `bind_target`):
     the target's family is supported and its config is the one the draft was built for; then fill in the target
     facts the draft's config does not record."""
     text = target.config.get_text_config()
@@ -69,26 +67,3 @@ def take_target_embedding(draft: Any, target: PreTrainedModel, source: str, repl
         if finer(target_weight.dtype, ours.dtype):
             # A cast copy (the target's rounded to a narrower dtype): the embedding is the target's, so take its own.
             draft.load_target_embedding(target)
-
-
-# The router of `route_generate`, registered by `eagle3_hf.generation` (see the module docstring).
-_BINDERS: dict[str, Callable[[Any, PreTrainedModel], None]] = {}
-
-
-def register_binder(binder: Callable[[Any, PreTrainedModel], None]) -> Callable[[Any, PreTrainedModel], None]:
-    """Make `binder(draft, target)` what routes `target.generate` to a draft that fits it; returns it (usable as a
-    decorator)."""
-    _BINDERS["bind"] = binder
-    return binder
-
-
-def route_generate(draft: Any, target: PreTrainedModel, required: bool = False) -> None:
-    """Route `target.generate(..., assistant_model=draft)` to EAGLE-3 where `eagle3_hf.generation` is loaded; checks
-    nothing (the caller ran `check_target`). `required`: raise `RuntimeError` when it is not loaded."""
-    if "bind" in _BINDERS:
-        _BINDERS["bind"](draft, target)
-    elif required:
-        raise RuntimeError(
-            "No EAGLE-3 decoding is registered to bind to: import eagle3_hf.generation "
-            "(`from eagle3_hf import Eagle3DraftModel` does)."
-        )
