@@ -11,7 +11,15 @@ import torch
 from eagle3_hf.generation import corpus_index
 from eagle3_hf.generation.context_index import LookupTrie
 from eagle3_hf.generation.corpus_index import SEPARATOR, CorpusIndex, CorpusOptions, sort_backward
-from eagle3_hf.generation.hybrid import BOTH, LOOKUP, LookupStats, graft, lookup_conditionals, lookup_only_tree
+from eagle3_hf.generation.hybrid import (
+    BOTH,
+    LOOKUP,
+    Candidates,
+    LookupStats,
+    candidates_tree,
+    graft,
+    lookup_conditionals,
+)
 
 SEEDS = range(6)
 
@@ -222,12 +230,13 @@ def test_the_trie_feeds_the_hybrid_trees():
     index = CorpusIndex.build([[4, 5, 6, 7], [4, 5, 6, 8], [4, 5, 6, 7], [1, 5, 9]], vocab_size=10)
     trie = index.lookup([0, 4, 5], CorpusOptions(depth=3))
     assert trie_paths(trie) == [((6,), 3), ((6, 7), 2)] and trie.match == [2, 2, 2]
-    cond = lookup_conditionals(trie, LookupStats())
-    tree, sources, match = lookup_only_tree(5, trie, cond, torch.device("cpu"), total_tokens=8)
+    cands = Candidates.of(trie, lookup_conditionals(trie, LookupStats()))
+    row = candidates_tree(5, cands, torch.device("cpu"), total_tokens=8)
+    tree, sources = row.tree, row.sources
     assert tree.tokens.tolist() == [5, 6, 7] and tree.parents.tolist() == [-1, 0, 1] and sources == [0, LOOKUP, LOOKUP]
-    assert match == [0, 2, 3]  # effective match: the 2 tokens matched, then the continuation's tokens above
-    merged, sources, _ = graft(tree, trie, cond, total_tokens=8)  # a second source: equal nodes merge
-    assert merged.tokens.tolist() == [5, 6, 7] and sources == [0, BOTH, BOTH]
+    assert row.match == [0, 2, 3]  # effective match: the 2 tokens matched, then the continuation's tokens above
+    merged = graft(tree, cands, total_tokens=8)  # a second source: equal nodes merge
+    assert merged.tree.tokens.tolist() == [5, 6, 7] and merged.sources == [0, BOTH, BOTH]
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -44,7 +44,7 @@ from eagle3_hf import Eagle3DraftConfig, Eagle3DraftModel, bind_target
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation.decoding import Eagle3GenerateOutput
 from eagle3_hf.generation.node_scores import NodeScores
-from eagle3_hf.generation.tree import DraftTree
+from eagle3_hf.generation.tree import DraftTree, HostTree
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import load_target
 from eagle3_hf.utils.compat import CACHE_KWARG
@@ -250,8 +250,7 @@ def test_tree_scores_see_each_nodes_own_path():
     # 3:6   4:4   5:4
     #  |
     # 6:9
-    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
-    tree = DraftTree.from_parents(tokens=torch.tensor([5, 4, 6, 6, 4, 4, 9]), parents=parents, scores=torch.zeros(7))
+    tree = DraftTree.from_lists(HostTree([5, 4, 6, 6, 4, 4, 9], [-1, 0, 0, 1, 1, 2, 3], [0.0] * 7), torch.device("cpu"))
     prefix = torch.tensor([[3, 5, 4, 5]])  # ends with the root token
     processors = LogitsProcessorList(
         [

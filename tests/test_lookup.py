@@ -20,13 +20,14 @@ from eagle3_hf.generation.hybrid import (
     BOTH,
     DRAFT,
     LOOKUP,
+    Candidates,
     LookupStats,
     best_lookup_nodes,
     graft,
     lookup_conditionals,
     source_counts,
 )
-from eagle3_hf.generation.tree import DraftTree, sample_children
+from eagle3_hf.generation.tree import DraftTree, HostTree, sample_children
 from eagle3_hf.generation.verification import rrs_step, sample_accept
 
 
@@ -121,14 +122,13 @@ def test_model_free_lookup_refuses_prompt_lookup_and_binds_once(cases):
 def test_graft_merges_equal_nodes_and_keeps_the_best():
     #  draft: 0:r -> 1:a(0.6) -> 3:c(0.3) ; 0 -> 2:b(0.3)
     scores = torch.tensor([0.0, math.log(0.6), math.log(0.3), math.log(0.3)])
-    draft = DraftTree.from_parents(
-        tokens=torch.tensor([9, 1, 2, 3]), parents=torch.tensor([-1, 0, 0, 1]), scores=scores
-    )
+    draft = DraftTree.from_lists(HostTree([9, 1, 2, 3], [-1, 0, 0, 1], scores.tolist()), torch.device("cpu"))
     # lookup: r -> a -> d -> e (one continuation, on a match of 8 tokens)
     trie = build_trie([7, 1, 4, 5, 7], [(1, 8)], depth=3)
     assert trie.tokens == [-1, 1, 4, 5]
-    cond = lookup_conditionals(trie, LookupStats())
-    tree, sources, match = graft(draft, trie, cond, total_tokens=10)
+    cands = Candidates.of(trie, lookup_conditionals(trie, LookupStats()))
+    row = graft(draft, cands, total_tokens=10)
+    tree, sources, match = row.tree, row.sources, row.match
     assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
     assert sources == [0, BOTH, DRAFT, DRAFT, LOOKUP, LOOKUP]
@@ -138,9 +138,9 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     assert est[4] == pytest.approx(est[1] * LookupStats().rate(9))
     # estimates never increase from parent to child, so a cut keeps parents
     assert all(est[c] <= est[p] + 1e-9 for c, p in enumerate(tree.parents.tolist()) if p >= 0)
-    cut, cut_sources, _ = graft(draft, trie, cond, total_tokens=4)
-    kept = cut.tokens.tolist()
-    assert len(kept) == 4 and kept[:2] == [9, 1] and cut_sources[1] == BOTH
+    cut = graft(draft, cands, total_tokens=4)
+    kept = cut.tree.tokens.tolist()
+    assert len(kept) == 4 and kept[:2] == [9, 1] and cut.sources[1] == BOTH
     assert source_counts(sources, [0, 1, 4], 2) == (0, 1, 0, 1)
 
 

@@ -35,16 +35,16 @@ from eagle3_hf.generation.cost_model import CycleCostModel
 from eagle3_hf.generation.drafting import TreeBudget
 from eagle3_hf.generation.emission import emit, retire_rows, stream
 from eagle3_hf.generation.exact_attention import ExactAttention
-from eagle3_hf.generation.hybrid import DRAFT, prune_nodes, source_counts
+from eagle3_hf.generation.hybrid import DRAFT, RowTree, source_counts
 from eagle3_hf.generation.node_scores import NodeScores, reads_are_free
-from eagle3_hf.generation.proposers import Proposal, Proposer, RowTree, root_only
+from eagle3_hf.generation.proposers import Proposal, Proposer, root_only
 from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
 from eagle3_hf.generation.tree import DraftTree, children_lists, read_on_host
 from eagle3_hf.generation.verification import AcceptResult, greedy_walk, sample_accept
 from eagle3_hf.modeling.modeling_eagle3 import select_target_features
 from eagle3_hf.utils.compat import cache_kwargs
 
-__all__ = ["CycleRecord", "DecodeRun", "decode", "prune_tree"]
+__all__ = ["CycleRecord", "DecodeRun", "decode"]
 
 
 @dataclass
@@ -212,23 +212,13 @@ def propose(run: DecodeRun) -> tuple[Proposal, float | None, float]:
         width = max(len(p) for p in ordered)
         probs = torch.tensor([p + [0.0] * (width - len(p)) for p in ordered], dtype=torch.float64)  # [A, N]
         n, predicted = run.cost.choose_size(probs, time.perf_counter() - t0)
-        proposal.rows = None if n == 0 else [prune_tree(row, n) for row in proposal.rows]
+        proposal.rows = None if n == 0 else [row.prune(n) for row in proposal.rows]
     if proposal.rows is None:
         proposal.rows, predicted = [root_only(root, run.device) for root in roots], 0.0
     _sync(run.device)
     seconds = time.perf_counter() - t0
     run.draft_time += seconds
     return proposal, predicted, seconds
-
-
-def prune_tree(row: RowTree, n: int) -> RowTree:
-    """The root and the row's `n` best nodes (by cumulative score; a parent is always kept before its child)."""
-    nodes = row.tree.num_nodes
-    if n >= nodes - 1:
-        return row
-    if row.sources is not None:
-        return row.prune(n)
-    return RowTree(prune_nodes(row.tree, [0] + [DRAFT] * (nodes - 1), [0] * nodes, n)[0])
 
 
 def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -342,8 +332,7 @@ def record_cycle(
     cost.verify.observe(rows * width, verify_s)  # cost.rows: set by `propose` for this cycle's rows
     from_draft = 0
     for row, tree, result, count in zip(run.active, proposal.rows, results, emitted):
-        nodes = tree.tree.num_nodes
-        sources = tree.sources if tree.sources is not None else [0] + [DRAFT] * (nodes - 1)
+        nodes, sources = tree.tree.num_nodes, tree.node_sources()
         run.tree_sizes[row].append(nodes)
         run.accept_lengths[row].append(count)
         accepted = len(result.path) - 1

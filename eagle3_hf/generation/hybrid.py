@@ -20,7 +20,7 @@ best nodes by estimate (`tree.cut_host`), which always keeps a node's parent.
 Sampled trees (`graft_sampled`): lookup nodes are proposals with a point-mass distribution. They hang from the root
 and from each other; at the root they come before the draft's children, which stay draws without replacement from
 the draft distribution; a draft child equal to a lookup sibling is removed with its subtree but stays in the root's
-draw sequence (`SampledGraft.draws`), where recursive rejection treats it as an ordinary proposal that cannot be
+draw sequence (`RowTree.draws`), where recursive rejection treats it as an ordinary proposal that cannot be
 accepted. Why this stays lossless: see `eagle3_hf.generation.verification.sample_accept`.
 """
 
@@ -46,17 +46,14 @@ __all__ = [
     "LookupOptions",
     "LookupState",
     "LookupStats",
-    "SampledGraft",
+    "RowTree",
     "best_lookup_nodes",
     "candidates_tree",
     "graft",
-    "graft_candidates",
     "graft_sampled",
     "lookup_conditionals",
-    "lookup_only_tree",
     "merge_candidates",
     "observe_nodes",
-    "prune_nodes",
     "source_counts",
     "source_totals",
 ]
@@ -228,47 +225,42 @@ def _log_scores(parents: list[int], cond: list[float]) -> list[float]:
     return scores
 
 
-def lookup_only_tree(
-    root: int,
-    trie: LookupTrie,
-    cond: list[float],
-    device: torch.device,
-    total_tokens: int,
-) -> tuple[DraftTree, list[int], list[int]]:
-    """The trie as a tree (scores: log estimates), cut to its best `total_tokens` nodes (root included).
-    Returns (tree, sources, effective match per node: 0 for the root)."""
-    return candidates_tree(root, Candidates.of(trie, cond), device, total_tokens)[:3]
+@dataclass
+class RowTree:
+    """One row's proposal: its tree (the root is the row's last token) and, for trees of several sources, per node
+    where it came from."""
+
+    tree: DraftTree
+    sources: list[int] | None = None  # per node its source bits, DRAFT | LOOKUP | CORPUS; None: the draft alone
+    match: list[int] | None = None  # per node: effective context match length, 0 for nodes not from the context
+    corpus_match: list[int] | None = None  # per node: effective corpus match length, 0 for nodes not from it
+    point_mass: torch.Tensor | None = None  # sampled trees: nodes that are lookup proposals (a point mass)
+    draws: dict[int, list[int]] | None = None  # sampled trees: draw sequences where duplicates were removed
+
+    def node_sources(self) -> list[int]:
+        """Per node its source bits (a tree of the draft alone: DRAFT below the root)."""
+        return self.sources if self.sources is not None else [0] + [DRAFT] * (self.tree.num_nodes - 1)
+
+    def prune(self, n: int) -> RowTree:
+        """The root and the row's `n` best nodes (by score; a parent always kept before its child): the cost model's
+        choice of size for a greedy tree."""
+        if n >= self.tree.num_nodes - 1:
+            return self
+        host = self.tree.host if self.tree.host is not None else DraftTree.with_hosts([self.tree])[0][0].host
+        return _cut(host, n + 1, self.tree.tokens.device, self.sources, self.match, self.corpus_match)
 
 
-def candidates_tree(
-    root: int,
-    cands: Candidates,
-    device: torch.device,
-    total_tokens: int,
-) -> tuple[DraftTree, list[int], list[int], list[int]]:
-    """`lookup_only_tree` of merged candidates. Returns (tree, sources, context match, corpus match) per node."""
+def candidates_tree(root: int, cands: Candidates, device: torch.device, total_tokens: int) -> RowTree:
+    """The candidates' trie as a tree (scores: log estimates), cut to its best `total_tokens` nodes (root
+    included)."""
     trie = cands.trie
     host = HostTree([root] + trie.tokens[1:], list(trie.parents), _log_scores(trie.parents, cands.cond))
-    return _cut(host, list(cands.sources), list(cands.match), total_tokens, device, list(cands.corpus_match))
+    return _cut(host, total_tokens, device, cands.sources, cands.match, cands.corpus_match)
 
 
-def graft(
-    tree: DraftTree,
-    trie: LookupTrie,
-    cond: list[float],
-    total_tokens: int,
-) -> tuple[DraftTree, list[int], list[int]]:
-    """Merge the trie into a greedy draft tree (see the module docstring); keep the best `total_tokens` nodes.
-    Returns (tree, sources, effective match per node: 0 for pure draft nodes)."""
-    return graft_candidates(tree, Candidates.of(trie, cond), total_tokens)[:3]
-
-
-def graft_candidates(
-    tree: DraftTree,
-    cands: Candidates,
-    total_tokens: int,
-) -> tuple[DraftTree, list[int], list[int], list[int]]:
-    """`graft` of merged candidates. Returns (tree, sources, context match, corpus match) per node."""
+def graft(tree: DraftTree, cands: Candidates, total_tokens: int) -> RowTree:
+    """Merge the candidates' trie into a greedy draft tree (see the module docstring); keep the best `total_tokens`
+    nodes."""
     trie, cond = cands.trie, cands.cond
     host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
     tokens, parents, scores = list(host.tokens), list(host.parents), list(host.scores)
@@ -294,56 +286,33 @@ def graft_candidates(
         sources[node] |= cands.sources[i]
         match[node], corpus_match[node] = cands.match[i], cands.corpus_match[i]
         mapped[i] = node
-    return _cut(HostTree(tokens, parents, scores), sources, match, total_tokens, tree.tokens.device, corpus_match)
+    return _cut(HostTree(tokens, parents, scores), total_tokens, tree.tokens.device, sources, match, corpus_match)
 
 
 def _cut(
     host: HostTree,
-    sources: list[int],
-    match: list[int],
     total_tokens: int,
     device: torch.device,
+    sources: list[int] | None = None,
+    match: list[int] | None = None,
     corpus_match: list[int] | None = None,
-) -> tuple[DraftTree, list[int], list[int], list[int] | None]:
-    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host;
-    per node its sources, context match and corpus match (None stays None). The scores are rounded to the tree's fp32
-    first, so that ties are those of the tensor it becomes."""
+) -> RowTree:
+    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host,
+    with their per-node lists (None stays None). The scores are rounded to the tree's fp32 first, so that ties are
+    those of the tensor it becomes."""
     host = HostTree(host.tokens, host.parents, array("f", host.scores).tolist())
+    per_node = [sources, match, corpus_match]
     if len(host.parents) > total_tokens:
         kept = cut_host(host, total_tokens)
-        host, sources, match = subtree(host, kept), [sources[r] for r in kept], [match[r] for r in kept]
-        corpus_match = None if corpus_match is None else [corpus_match[r] for r in kept]
-    return DraftTree.from_lists(host, device), sources, match, corpus_match
+        host = subtree(host, kept)
+        per_node = [None if values is None else [values[r] for r in kept] for values in per_node]
+    return RowTree(DraftTree.from_lists(host, device), *per_node)
 
 
-def prune_nodes(
-    tree: DraftTree,
-    sources: list[int],
-    match: list[int],
-    n: int,
-    corpus_match: list[int] | None = None,
-) -> tuple[DraftTree, list[int], list[int], list[int] | None]:
-    """The root and the tree's `n` best nodes (the cost model's choice of size); per node its sources, context
-    match and corpus match (None stays None)."""
-    host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
-    return _cut(host, sources, match, n + 1, tree.tokens.device, corpus_match)
-
-
-@dataclass
-class SampledGraft:
-    """A sampled draft tree with lookup point masses: what `sample_accept` needs besides the target's rows."""
-
-    tree: DraftTree  # draft_probs rows of lookup nodes are unused (their children are lookup nodes only)
-    point_mass: torch.Tensor  # [T] bool: the node is a lookup proposal
-    draws: dict[int, list[int]]  # node -> the draft's draw sequence there, removed duplicates included
-    sources: list[int]
-    match: list[int]
-    corpus_match: list[int]
-
-
-def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -> SampledGraft:
-    """Put the candidates' trie nodes `lookup_nodes` (a prefix-closed set, in trie order) first, then the sampled
-    draft tree's nodes minus the root's children equal to a lookup depth-1 token (and their subtrees)."""
+def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -> RowTree:
+    """Put the candidates' trie nodes `lookup_nodes` (a prefix-closed set, in trie order) first, as point-mass
+    proposals, then the sampled draft tree's nodes minus the root's children equal to a lookup depth-1 token (and
+    their subtrees). The draft_probs rows of lookup nodes are unused (their children are lookup nodes only)."""
     device, trie = tree.tokens.device, cands.trie
     t_tokens, t_parents, t_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
     new_of_trie = {0: 0}
@@ -375,17 +344,10 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
         corpus_match.append(0)
         rows.append(c)
     probs = tree.draft_probs[torch.tensor(rows, device=device)] if tree.draft_probs is not None else None
-    merged = DraftTree.from_parents(
-        tokens=torch.tensor(tokens, device=device, dtype=tree.tokens.dtype),
-        parents=torch.tensor(parents, device=device),
-        scores=torch.tensor(scores, device=device),
-        draft_probs=probs,
-    )
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
-    return SampledGraft(
-        tree=merged, point_mass=point_mass, draws=draws, sources=sources, match=match, corpus_match=corpus_match
-    )
+    merged = DraftTree.from_lists(HostTree(tokens, parents, array("f", scores).tolist()), device, probs)
+    return RowTree(merged, sources, match, corpus_match, point_mass, draws)
 
 
 def best_lookup_nodes(trie: LookupTrie, cond: list[float], limit: int, min_estimate: float = 0.05) -> list[int]:

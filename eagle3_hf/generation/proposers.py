@@ -31,12 +31,12 @@ from eagle3_hf.generation.hybrid import (
     Candidates,
     LookupOptions,
     LookupState,
+    RowTree,
     best_lookup_nodes,
     candidates_tree,
-    graft_candidates,
+    graft,
     graft_sampled,
     merge_candidates,
-    prune_nodes,
 )
 from eagle3_hf.generation.sampled_trees import build_sampled_trees
 from eagle3_hf.generation.target_cache import worth_compacting
@@ -47,24 +47,7 @@ from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 if TYPE_CHECKING:  # the loop's per-call state; proposers read it, the loop owns it
     from eagle3_hf.generation.engine import DecodeRun
 
-__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "Proposal", "Proposer", "RowTree", "build_proposer"]
-
-
-@dataclass
-class RowTree:
-    """One row's proposal: its tree (the root is the row's last token) and, for trees of several sources, per node
-    where it came from."""
-
-    tree: DraftTree
-    sources: list[int] | None = None  # per node its source bits, DRAFT | LOOKUP | CORPUS (hybrid.py); None: the draft
-    match: list[int] | None = None  # per node: effective context match length, 0 for nodes not from the context
-    corpus_match: list[int] | None = None  # per node: effective corpus match length, 0 for nodes not from it
-    point_mass: torch.Tensor | None = None  # sampled trees: nodes that are lookup proposals (a point mass)
-    draws: dict[int, list[int]] | None = None  # sampled trees: draw sequences where duplicates were removed
-
-    def prune(self, n: int) -> RowTree:
-        """The root and the row's `n` best nodes (greedy trees of several sources; the cost model's choice)."""
-        return RowTree(*prune_nodes(self.tree, self.sources, self.match, n, self.corpus_match))
+__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "Proposal", "Proposer", "build_proposer"]
 
 
 @dataclass
@@ -210,9 +193,9 @@ class LookupProposer(Proposer):
             elif run.do_sample:
                 chosen = best_lookup_nodes(cands.trie, cands.cond, total - 1)
                 base = root_only(root, run.device).tree
-                trees.append(_sampled_graft(base, cands, chosen) if chosen else RowTree(base))
+                trees.append(graft_sampled(base, cands, chosen) if chosen else RowTree(base))
             else:
-                trees.append(RowTree(*candidates_tree(root, cands, run.device, total)))
+                trees.append(candidates_tree(root, cands, run.device, total))
         return trees if any(row.tree.num_nodes > 1 for row in trees) else None
 
     def propose(self, run, roots) -> Proposal:
@@ -270,12 +253,12 @@ class HybridProposer(Proposer):
             chosen = [best_lookup_nodes(c.trie, c.cond, room) for c in tries]
             trees = self.draft.trees(run, roots, totals=[total - len(c) for c in chosen])
             rows = [
-                _sampled_graft(tree, cands, c) if c else RowTree(tree) for tree, cands, c in zip(trees, tries, chosen)
+                graft_sampled(tree, cands, c) if c else RowTree(tree) for tree, cands, c in zip(trees, tries, chosen)
             ]
         else:
             drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
             rows = [
-                RowTree(*graft_candidates(tree, cands, total)) if cands.trie.num_nodes > 1 else RowTree(tree)
+                graft(tree, cands, total) if cands.trie.num_nodes > 1 else RowTree(tree)
                 for tree, cands in zip(drafted, tries)
             ]
         return Proposal(rows, consulted=True)
@@ -302,11 +285,3 @@ def build_proposer(
     if not context and corpus is None:
         return DraftProposer(draft)
     return HybridProposer(draft, options, corpus, context)
-
-
-def _sampled_graft(tree: DraftTree, cands: Candidates, chosen: list[int]) -> RowTree:
-    """A sampled tree with the lookup's `chosen` trie nodes as point-mass proposals (hybrid.graft_sampled)."""
-    grafted = graft_sampled(tree, cands, chosen)
-    return RowTree(
-        grafted.tree, grafted.sources, grafted.match, grafted.corpus_match, grafted.point_mass, grafted.draws
-    )

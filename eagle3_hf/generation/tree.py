@@ -94,17 +94,6 @@ class DraftTree:
     host: HostTree | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_parents(
-        cls,
-        tokens: torch.Tensor,
-        parents: torch.Tensor,
-        scores: torch.Tensor,
-        draft_probs: torch.Tensor | None = None,
-    ) -> DraftTree:
-        """Build a tree, deriving the depths from `parents`."""
-        return cls(tokens=tokens, parents=parents, depths=tree_depths(parents), scores=scores, draft_probs=draft_probs)
-
-    @classmethod
     def from_lists(cls, host: HostTree, device: torch.device, draft_probs: torch.Tensor | None = None) -> DraftTree:
         """A tree built on the host: its tensors are copied to `device` and nothing is read back."""
         depths = [0] * len(host.parents)
