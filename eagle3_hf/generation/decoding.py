@@ -313,7 +313,7 @@ def eagle3_decoding(
             f"top_k={budget.top_k}, total_tokens={budget.total_tokens}."
         )
     exact_verify = check_exact_verify(exact_verify)
-    rows = input_ids.shape[0]
+    rows, length = input_ids.shape
     return_dict = bool(generation_config.return_dict_in_generate)
     if rows > 1 and exact_verify is True:
         raise ValueError(
@@ -329,27 +329,46 @@ def eagle3_decoding(
         max_ngram=defaults["max_ngram"],
         confidence=LookupOptions.confidence if lookup_confidence is None else lookup_confidence,
     )
+    text = model.config.get_text_config()
     source = open_corpus(
         getattr(eagle3_draft, "corpus", None) if corpus is None else corpus,
-        model.config.get_text_config().vocab_size,
+        text.vocab_size,
         options.depth,
         corpus_growth,
     )
     proposer = build_proposer(draft, options, context_lookup is None or bool(context_lookup), source)
-    run = _new_run(
-        model,
-        draft,
-        proposer,
-        input_ids,
-        mask,
-        logits_processor,
-        stopping_criteria,
-        generation_config,
-        budget,
-        cache,
-        adaptive_tree,
-        eagle3_streamer,
-        eagle3_observer,
+    # the output buffer, padding and stopping as plain generate() has them
+    has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    pad = generation_config._pad_token_tensor
+    if rows > 1 and has_eos and pad is None:
+        raise ValueError("With eos_token_id set, batched generation needs a pad_token_id to pad finished rows.")
+    max_length = stopping_criteria.max_length or generation_config.max_length
+    out = torch.zeros(rows, max(max_length, length + 1), dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :length] = input_ids
+    do_sample = bool(generation_config.do_sample)
+    run = DecodeRun(
+        model=model,
+        proposer=proposer,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        budget=budget,
+        cache=cache,
+        layer_ids=draft.config.resolved_target_layer_ids(text.num_hidden_layers) if draft else [],
+        out=out,
+        lengths=[length] * rows,
+        tokens=input_ids.tolist(),
+        starts=[int((m == 0).sum()) for m in mask],
+        pad_token_id=None if pad is None else int(pad),
+        pad_finished=rows > 1 and has_eos,
+        max_length=max_length,
+        do_sample=do_sample,
+        temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
+        adaptive_tree=adaptive_tree,
+        streamer=eagle3_streamer,
+        observer=eagle3_observer,
+        output_scores=return_dict and bool(generation_config.output_scores),
+        output_logits=return_dict and bool(generation_config.output_logits),
+        cost=CycleCostModel.for_device(model.device.type, model.dtype),
     )
     choice = choose_verification(model, exact_verify, rows=rows)
     with exact_verification(model, enabled=choice.exact) as run.exact:
@@ -378,68 +397,6 @@ def eagle3_decoding(
         verification_reason=choice.reason,
         # a batch's finished rows leave the cache, which then no longer matches the output's rows
         **({generate_output_cache_field(): run.cache} if rows == 1 else {}),
-    )
-
-
-def _new_run(
-    model: PreTrainedModel,
-    draft: Eagle3DraftModel | None,
-    proposer: Any,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor,
-    logits_processor: Any,
-    stopping_criteria: Any,
-    generation_config: GenerationConfig,
-    budget: TreeBudget,
-    cache: Any,
-    adaptive_tree: bool,
-    streamer: Any,
-    observer: Any,
-) -> DecodeRun:
-    """The call's `DecodeRun`: output buffer, padding and stopping rules as plain generate() has them."""
-    rows, length = input_ids.shape
-    has_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
-    pad = generation_config._pad_token_tensor
-    if rows > 1 and has_eos and pad is None:
-        raise ValueError("With eos_token_id set, batched generation needs a pad_token_id to pad finished rows.")
-    max_length = stopping_criteria.max_length or generation_config.max_length
-    out = torch.zeros(rows, max(max_length, length + 1), dtype=input_ids.dtype, device=input_ids.device)
-    out[:, :length] = input_ids
-    do_sample = bool(generation_config.do_sample)
-    return_dict = bool(generation_config.return_dict_in_generate)
-    layers = model.config.get_text_config().num_hidden_layers
-    return DecodeRun(
-        model=model,
-        proposer=proposer,
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        budget=budget,
-        cache=cache,
-        layer_ids=draft.config.resolved_target_layer_ids(layers) if draft else [],
-        out=out,
-        lengths=[length] * rows,
-        tokens=input_ids.tolist(),
-        starts=[int((m == 0).sum()) for m in mask],
-        pad_token_id=None if pad is None else int(pad),
-        pad_finished=rows > 1 and has_eos,
-        max_length=max_length,
-        do_sample=do_sample,
-        temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
-        adaptive_tree=adaptive_tree,
-        streamer=streamer,
-        observer=observer,
-        output_scores=return_dict and bool(generation_config.output_scores),
-        output_logits=return_dict and bool(generation_config.output_logits),
-        cost=CycleCostModel.for_device(model.device.type, model.dtype),
-        stop_lengths=[None] * rows,
-        active=list(range(rows)),
-        streamed=length,
-        prompt_length=length,
-        scores=[[] for _ in range(rows)],
-        raw_logits=[[] for _ in range(rows)],
-        accept_lengths=[[] for _ in range(rows)],
-        tree_sizes=[[] for _ in range(rows)],
-        accept_sources=[[] for _ in range(rows)],
     )
 
 

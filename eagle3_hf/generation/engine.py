@@ -90,19 +90,27 @@ class DecodeRun:
     cost: CycleCostModel = field(default_factory=CycleCostModel)
     exact: ExactAttention | None = None  # row-exact verification (one row); None: one tree-masked call
     observer: Callable[[CycleRecord], None] | None = None  # told what each cycle did (research scripts); None: nobody
-    stop_lengths: list[int | None] = field(default_factory=list)  # a row's length when a criterion fired
-    active: list[int] = field(default_factory=list)
     columns: TargetColumns | None = None
-    streamed: int = 0  # columns of `out` handed to the streamer
-    prompt_length: int = 0  # columns of the padded prompt
-    scores: list[list[torch.Tensor]] = field(default_factory=list)  # output_scores: per row, one [V] per token
-    raw_logits: list[list[torch.Tensor]] = field(default_factory=list)  # output_logits: likewise
-    accept_lengths: list[list[int]] = field(default_factory=list)  # per row, per cycle: tokens it added
-    tree_sizes: list[list[int]] = field(default_factory=list)  # per row, per cycle: nodes verified (root included)
-    accept_sources: list[list[tuple[int, int, int, int]]] = field(default_factory=list)  # per row, per cycle
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
+    # set from `out` and `lengths` by __post_init__
+    stop_lengths: list[int | None] = field(init=False)  # a row's length when a criterion fired
+    active: list[int] = field(init=False)
+    streamed: int = field(init=False)  # columns of `out` handed to the streamer
+    prompt_length: int = field(init=False)  # columns of the padded prompt
+    scores: list[list[torch.Tensor]] = field(init=False)  # output_scores: per row, one [V] per token
+    raw_logits: list[list[torch.Tensor]] = field(init=False)  # output_logits: likewise
+    accept_lengths: list[list[int]] = field(init=False)  # per row, per cycle: tokens it added
+    tree_sizes: list[list[int]] = field(init=False)  # per row, per cycle: nodes verified (root included)
+    accept_sources: list[list[tuple[int, int, int, int]]] = field(init=False)  # per row, per cycle
+
+    def __post_init__(self) -> None:
+        rows = self.batch_size
+        self.stop_lengths, self.active = [None] * rows, list(range(rows))
+        self.streamed = self.prompt_length = self.lengths[0]
+        for name in ("scores", "raw_logits", "accept_lengths", "tree_sizes", "accept_sources"):
+            setattr(self, name, [[] for _ in range(rows)])
 
     @property
     def device(self) -> torch.device:
