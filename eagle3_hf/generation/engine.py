@@ -40,7 +40,7 @@ from eagle3_hf.generation.node_scores import NodeScores, reads_are_free
 from eagle3_hf.generation.proposers import Proposal, Proposer, root_only
 from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
 from eagle3_hf.generation.tree import DraftTree, children_lists, read_on_host
-from eagle3_hf.generation.verification import AcceptResult, greedy_walk, sample_accept
+from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
 from eagle3_hf.modeling.modeling_eagle3 import select_target_features
 from eagle3_hf.utils.compat import cache_kwargs
 
@@ -298,7 +298,7 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
                 draws=proposal.draws,
             )
         else:
-            result = greedy_walk(tree.host.tokens, children_lists(tree.host.parents), node_scores.greedy_choice)
+            result = greedy_accept(tree.host.tokens, children_lists(tree.host.parents), node_scores.greedy_choice)
         results.append(result)
     return results, scores
 

@@ -23,7 +23,7 @@ import torch
 
 from .tree import children_lists
 
-__all__ = ["AcceptResult", "greedy_accept", "greedy_walk", "rrs_step", "sample_accept"]
+__all__ = ["AcceptResult", "greedy_accept", "rrs_step", "sample_accept"]
 
 ProbsSource = torch.Tensor | Callable[[int], torch.Tensor]
 
@@ -41,11 +41,6 @@ class AcceptResult:
     bonus_token: int
 
     @property
-    def num_accepted(self) -> int:
-        """Number of accepted draft tokens (the root does not count)."""
-        return len(self.path) - 1
-
-    @property
     def tau(self) -> int:
         """Tokens emitted this cycle: accepted drafts + the bonus token."""
         return len(self.path)
@@ -56,33 +51,10 @@ def _check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
         raise ValueError(f"expected tokens [T] and parents [T], got {tuple(tokens.shape)} and {tuple(parents.shape)}")
 
 
-def greedy_accept(
-    tokens: torch.Tensor, parents: torch.Tensor, target_next: torch.Tensor | Callable[[int], int]
-) -> AcceptResult:
-    """Greedy verification.
-
-    Args:
-        tokens: ``[T]`` tree tokens (target vocabulary).
-        parents: ``[T]`` parent indices.
-        target_next: ``[T]`` the target's chosen token after each node (argmax of its processed logits), or a
-            callable ``node -> token`` (called only for the nodes visited, so only their scores need computing).
-
-    Walks from the root to the child whose token equals ``target_next[current]`` until there is none.
-    """
-    _check_tree(tokens, parents)
-    if isinstance(target_next, torch.Tensor):
-        if target_next.shape != tokens.shape:
-            raise ValueError(f"`target_next` must have shape {tuple(tokens.shape)}, got {tuple(target_next.shape)}")
-        next_of = target_next.tolist().__getitem__
-    elif callable(target_next):
-        next_of = target_next
-    else:
-        raise ValueError(f"`target_next` must be a [T] tensor or a callable node -> token, got {type(target_next)}")
-    return greedy_walk(tokens.tolist(), children_lists(parents), next_of)
-
-
-def greedy_walk(tokens: list[int], children: list[list[int]], next_of: Callable[[int], int]) -> AcceptResult:
-    """`greedy_accept` on a tree read on the host: its tokens and each node's children (`tree.children_lists`)."""
+def greedy_accept(tokens: list[int], children: list[list[int]], next_of: Callable[[int], int]) -> AcceptResult:
+    """Greedy verification of a tree read on the host: its tokens and each node's children (`tree.children_lists`).
+    Walks from the root to the child whose token equals `next_of(current)` (the target's choice after that node,
+    asked only for the nodes visited, so only their scores need computing) until there is none."""
     path = [0]
     node = 0
     while True:
