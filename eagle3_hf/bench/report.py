@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from eagle3_hf.bench.cards import format_rates
-from eagle3_hf.generation.verify_choice import cpu_name
-from eagle3_hf.utils.precision import NATIVE_BF16_FLAGS, cpu_flags
+from eagle3_hf.utils.precision import NATIVE_BF16_FLAGS, cpu_flags, cpu_name
 
 __all__ = [
     "NEAR_TIE_ULPS",

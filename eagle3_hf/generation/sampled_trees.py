@@ -3,10 +3,12 @@
 The rule that keeps recursive rejection sampling exact (verification.py): a node's children are drawn without
 replacement from the draft distribution stored for it, every drawn child is kept, and which nodes grow (and how
 many children they get) is decided before drawing them -- whether a node exists never depends on its own sampled
-value, only on its ancestors and on nodes drawn before it. Each tree carries `draft_probs` `[T, V]`: row i is the
-draft distribution (target vocabulary) node i's children were drawn from. Rows differ in how many nodes they expand at a level (their
-budgets and supports differ), so each level feeds `kf = max` rows' frontiers, shorter frontiers padded with dummy
-rows that see only themselves; every level's nodes take `kf` fresh scratch columns after the verified pairs.
+value, only on its ancestors and on nodes drawn before it (a reranking by score, as greedy trees get, would keep a
+child because its sampled token scored well and so bias acceptance). Each tree carries `draft_probs` `[T, V]`: row
+i is the draft distribution (target vocabulary) node i's children were drawn from. Rows differ in how many nodes
+they expand at a level (their budgets and supports differ), so each level feeds `kf = max` rows' frontiers, shorter
+frontiers padded with dummy rows that see only themselves; every level's nodes take `kf` fresh scratch columns after
+the verified pairs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Draft trees as plain tensors, and the EAGLE-2 rules that build them.
+"""Draft trees as plain tensors, and pure functions over them.
 
 A tree of ``T`` nodes is described by two 1-D ``LongTensor``s of length ``T``:
 
@@ -8,23 +8,10 @@ A tree of ``T`` nodes is described by two 1-D ``LongTensor``s of length ``T``:
 
 Children of a node are ordered by index, and index order is sibling order (draw order for sampled trees).
 
-Every function here is pure (no module state, no model) and follows the device of its inputs.
-
-Building greedy (temperature 0) trees, EAGLE-2 style (``drafting.build_greedy_trees``):
-
-1. every frontier node gets its ``top_k`` best children with cumulative scores (sum of draft log-probs along the
-   path);
-2. the ``top_k`` best of those ``k_f * top_k`` children become the next frontier;
-3. after the last level, the ``total_tokens - 1`` best candidates over all levels are kept, parents before
-   children (``cut_host`` on the host; its batched twin on the device in drafting.py).
-
-Building sampled (temperature > 0) trees needs a different rule. Verification by recursive rejection sampling
-(``verification.sample_accept``) is lossless only if each node's children are draws *without replacement* from
-the draft distribution stored for that node, kept in draw order, and if the decision to include a child never
-depends on that child's own sampled value (only on its ancestors and earlier siblings). Reranking by score
-violates this: a child kept because its sampled token scored well biases acceptance. So sampled trees use
-``sample_children`` and keep **every** drawn child of each expanded node, with the number of children per
-expanded node (and which nodes to expand) decided before drawing them.
+Every function here is pure (no module state, no model) and follows the device of its inputs. Greedy trees are
+built EAGLE-2 style by ``drafting.build_greedy_trees`` (cut to their best nodes by ``cut_host`` or its batched twin
+there); sampled trees by sampled_trees.py, whose docstring gives the rule that keeps their verification lossless
+(``sample_children`` draws a node's children).
 """
 
 from __future__ import annotations
@@ -231,7 +218,7 @@ def sample_children(
     Args:
         logits: ``[Vd]`` draft logits (already temperature-scaled / processed), or probabilities with
             ``is_probs=True``.
-        num: number of children to draw; fixed before drawing (see the module docstring).
+        num: number of children to draw; fixed before drawing (see sampled_trees.py).
         generator: RNG on the same device as ``logits``, for reproducibility.
 
     Returns:

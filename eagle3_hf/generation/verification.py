@@ -1,14 +1,14 @@
 """Acceptance rules for verifying a draft tree against the target (pure functions).
 
-Trees follow the conventions of ``eagle3_hf.generation.tree``: node 0 is the root, ``parents[i] < i``, and a node's children
-in index order are its siblings in draw order.
+Trees follow the conventions of tree.py: node 0 is the root, ``parents[i] < i``, and a node's children in index
+order are its siblings in draw order.
 
 * ``greedy_accept`` (temperature 0): follow the child whose token equals the target's choice; the bonus token is
   the target's choice after the last accepted node.
 * ``sample_accept`` (temperature > 0): recursive rejection sampling over siblings drawn without replacement
   (Jeon et al. 2024, "Recursive Speculative Decoding"). It is lossless, i.e. every emitted token is distributed
-  exactly as the target's processed distribution, provided the tree was built as described in ``eagle3_hf.generation.tree``
-  (each node's children drawn without replacement from ``draft_probs[node]``, all drawn children kept).
+  exactly as the target's processed distribution, provided the tree was built as sampled_trees.py builds it (each
+  node's children drawn without replacement from ``draft_probs[node]``, all drawn children kept).
 
 In both cases the new tokens of the cycle are ``tokens[path[1:]] + [bonus_token]`` and the acceptance length
 tau is ``len(path)`` (accepted drafts + the bonus).

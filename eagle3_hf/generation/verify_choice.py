@@ -27,9 +27,9 @@ from transformers import PreTrainedModel
 
 from eagle3_hf.generation.exact_attention import SUPPORTED
 from eagle3_hf.generation.probe import ProbeResult, probe_row_exactness
+from eagle3_hf.utils.precision import cpu_name
 
 __all__ = [
-    "EXACT_VERIFY_CHOICES",
     "PROVEN",
     "VerifyChoice",
     "check_exact_verify",
@@ -37,7 +37,6 @@ __all__ = [
     "probe_for_target",
 ]
 
-EXACT_VERIFY_CHOICES = ("auto", True, False)
 PROVEN = "the row-invariance probe proves it"  # how a reason for row-exact verification that is exact starts
 
 # target -> {setting: ProbeResult}: a fact about this process's hardware and the target's kernels, kept for the
@@ -120,17 +119,3 @@ def choose_verification(model: PreTrainedModel, exact_verify: Any = "auto", rows
             stacklevel=4,
         )
     return VerifyChoice(True, f"exact_verify=True, though not exact here: {probe.describe()}", probe)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), for messages that name the hardware."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()

@@ -18,6 +18,7 @@ __all__ = [
     "DTYPE_CHOICES",
     "NATIVE_BF16_FLAGS",
     "cpu_flags",
+    "cpu_name",
     "default_threads",
     "emulated_bf16_warning",
     "has_native_bf16_matmul",
@@ -30,16 +31,28 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
-def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags as the kernel lists them (empty where there is no /proc/cpuinfo, e.g. macOS)."""
+def _cpuinfo_value(keys: tuple[str, ...], cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
+    """The value of the first /proc/cpuinfo line starting with one of `keys` (None where there is none, e.g. macOS)."""
     try:
         with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.partition(":")[2].split())
+                if line.startswith(keys):
+                    return line.partition(":")[2].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as the kernel lists them (empty where there is no /proc/cpuinfo, e.g. macOS)."""
+    return set((_cpuinfo_value(("flags", "Features"), cpuinfo_path) or "").split())
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), for messages that name the hardware."""
+    import platform
+
+    return _cpuinfo_value(("model name",)) or platform.processor() or platform.machine()
 
 
 def has_native_bf16_matmul(flags: set[str] | None = None) -> bool:
