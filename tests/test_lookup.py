@@ -127,7 +127,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     trie = build_trie([7, 1, 4, 5, 7], [(1, 8)], depth=3)
     assert trie.tokens == [-1, 1, 4, 5]
     cands = Candidates.of(trie, lookup_conditionals(trie, LookupStats()))
-    row = graft(draft, cands, total_tokens=10)
+    row = graft(draft.host, cands, total_tokens=10, device=torch.device("cpu"))
     tree, sources, match = row.tree, row.sources, row.match
     assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
@@ -138,7 +138,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     assert est[4] == pytest.approx(est[1] * LookupStats().rate(9))
     # estimates never increase from parent to child, so a cut keeps parents
     assert all(est[c] <= est[p] + 1e-9 for c, p in enumerate(tree.parents.tolist()) if p >= 0)
-    cut = graft(draft, cands, total_tokens=4)
+    cut = graft(draft.host, cands, total_tokens=4, device=torch.device("cpu"))
     kept = cut.tree.tokens.tolist()
     assert len(kept) == 4 and kept[:2] == [9, 1] and cut.sources[1] == BOTH
     assert source_counts(sources, [0, 1, 4], 2) == (0, 1, 0, 1)

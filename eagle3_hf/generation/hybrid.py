@@ -48,7 +48,6 @@ __all__ = [
     "LookupStats",
     "RowTree",
     "best_lookup_nodes",
-    "candidates_tree",
     "graft",
     "graft_sampled",
     "lookup_conditionals",
@@ -217,14 +216,6 @@ def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
     return out
 
 
-def _log_scores(parents: list[int], cond: list[float]) -> list[float]:
-    """Each node's log estimate: the sum of log conditional estimates from the root."""
-    scores = [0.0]
-    for i in range(1, len(parents)):
-        scores.append(scores[parents[i]] + math.log(max(cond[i], 1e-12)))
-    return scores
-
-
 @dataclass
 class RowTree:
     """One row's proposal: its tree (the root is the row's last token) and, for trees of several sources, per node
@@ -250,19 +241,10 @@ class RowTree:
         return _cut(host, n + 1, self.tree.tokens.device, self.sources, self.match, self.corpus_match)
 
 
-def candidates_tree(root: int, cands: Candidates, device: torch.device, total_tokens: int) -> RowTree:
-    """The candidates' trie as a tree (scores: log estimates), cut to its best `total_tokens` nodes (root
-    included)."""
-    trie = cands.trie
-    host = HostTree([root] + trie.tokens[1:], list(trie.parents), _log_scores(trie.parents, cands.cond))
-    return _cut(host, total_tokens, device, cands.sources, cands.match, cands.corpus_match)
-
-
-def graft(tree: DraftTree, cands: Candidates, total_tokens: int) -> RowTree:
-    """Merge the candidates' trie into a greedy draft tree (see the module docstring); keep the best `total_tokens`
-    nodes."""
+def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.device) -> RowTree:
+    """Merge the candidates' trie into a greedy draft tree read on the host (see the module docstring; a lookup-only
+    tree grafts into its root alone); keep the best `total_tokens` nodes."""
     trie, cond = cands.trie, cands.cond
-    host = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
     tokens, parents, scores = list(host.tokens), list(host.parents), list(host.scores)
     sources = [0] + [DRAFT] * (len(tokens) - 1)
     match, corpus_match = [0] * len(tokens), [0] * len(tokens)
@@ -286,7 +268,7 @@ def graft(tree: DraftTree, cands: Candidates, total_tokens: int) -> RowTree:
         sources[node] |= cands.sources[i]
         match[node], corpus_match[node] = cands.match[i], cands.corpus_match[i]
         mapped[i] = node
-    return _cut(HostTree(tokens, parents, scores), total_tokens, tree.tokens.device, sources, match, corpus_match)
+    return _cut(HostTree(tokens, parents, scores), total_tokens, device, sources, match, corpus_match)
 
 
 def _cut(

@@ -33,7 +33,6 @@ from eagle3_hf.generation.hybrid import (
     LookupState,
     RowTree,
     best_lookup_nodes,
-    candidates_tree,
     graft,
     graft_sampled,
     merge_candidates,
@@ -195,7 +194,7 @@ class LookupProposer(Proposer):
                 base = root_only(root, run.device).tree
                 trees.append(graft_sampled(base, cands, chosen) if chosen else RowTree(base))
             else:
-                trees.append(candidates_tree(root, cands, run.device, total))
+                trees.append(graft(HostTree([root], [-1], [0.0]), cands, total, run.device))
         return trees if any(row.tree.num_nodes > 1 for row in trees) else None
 
     def propose(self, run, roots) -> Proposal:
@@ -258,7 +257,7 @@ class HybridProposer(Proposer):
         else:
             drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
             rows = [
-                graft(tree, cands, total) if cands.trie.num_nodes > 1 else RowTree(tree)
+                graft(tree.host, cands, total, tree.tokens.device) if cands.trie.num_nodes > 1 else RowTree(tree)
                 for tree, cands in zip(drafted, tries)
             ]
         return Proposal(rows, consulted=True)
