@@ -28,12 +28,14 @@ import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from eagle3_hf.generation.tree import node_paths
 
 __all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
 
@@ -46,15 +48,14 @@ PREFIX = "eagle3_exact_"
 
 @dataclass(frozen=True)
 class _Call:
-    """One attention call of a tree forward: the depth-sorted nodes `start:stop`, keys `begin:end`, and per node
-    (when they differ) how many of those keys it sees -- the rest are masked trailing keys, under `mask`
-    (`[n, 1, 1, end - begin]` bool, built once per tree rather than once per layer)."""
+    """One attention call of a tree forward: the depth-sorted nodes `start:stop`, keys `begin:end`, and, when its nodes
+    see different numbers of those keys, `mask` (`[n, 1, 1, end - begin]` bool, True: visible; built once per tree
+    rather than once per layer) hiding each node's trailing keys."""
 
     start: int
     stop: int
     begin: int
     end: int
-    lengths: tuple[int, ...] | None = None
     mask: torch.Tensor | None = field(default=None, compare=False)
 
 
@@ -89,9 +90,7 @@ class ExactAttention:
 
     def set_tree(self, parents: torch.Tensor, past: int) -> None:
         """Plan the next forward: the tree of `parents` `[T]` (`parents[i] < i`, root -1) behind `past` tokens."""
-        paths: list[list[int]] = []
-        for i, p in enumerate(parents.tolist()):
-            paths.append([i] if p < 0 else paths[p] + [i])
+        paths = node_paths(parents.tolist())
         order = sorted(range(len(paths)), key=lambda i: len(paths[i]))
         width = max(len(p) for p in paths)
         device = parents.device
@@ -118,10 +117,7 @@ class ExactAttention:
         """
         key = (window, merge)
         if key not in self._calls:
-            device = self.paths.device
-            self._calls[key] = [
-                _with_mask(call, device) for call in _plan_calls(self.depths, self.past, window, merge, self.max_rows)
-            ]
+            self._calls[key] = _plan_calls(self.depths, self.past, window, merge, self.max_rows, self.paths.device)
         return self._calls[key]
 
     def layer_keys(self, layer: int, key: torch.Tensor, value: torch.Tensor, needed: int) -> _LayerKeys:
@@ -160,7 +156,9 @@ def _merge_bin() -> int | None:
     return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else None
 
 
-def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, max_rows: int) -> list[_Call]:
+def _plan_calls(
+    depths: list[int], past: int, window: int | None, merge: bool, max_rows: int, device: torch.device
+) -> list[_Call]:
     """See `ExactAttention.calls`; `depths` sorted."""
     bin_size = _merge_bin()
     merge = merge and bin_size is not None
@@ -181,19 +179,14 @@ def _plan_calls(depths: list[int], past: int, window: int | None, merge: bool, m
                 break
             end = next_end
             stop += 1
-        lengths = tuple(span(d)[1] for d in depths[start:stop])
-        calls.append(_Call(start, stop, begin, end, None if len(set(lengths)) == 1 else lengths))
+        lengths = [span(d)[1] for d in depths[start:stop]]
+        mask = None
+        if len(set(lengths)) > 1:
+            visible = torch.arange(begin, end, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+            mask = visible[:, None, None, :]
+        calls.append(_Call(start, stop, begin, end, mask))
         start = stop
     return calls
-
-
-def _with_mask(call: _Call, device: torch.device) -> _Call:
-    """`call` with its trailing-key mask (True: visible), when its rows have different lengths."""
-    if call.lengths is None:
-        return call
-    positions = torch.arange(call.begin, call.end, device=device)
-    mask = positions[None, :] < torch.tensor(call.lengths, device=device)[:, None]  # [n, keys]
-    return replace(call, mask=mask[:, None, None, :])
 
 
 @contextmanager

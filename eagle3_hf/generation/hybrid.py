@@ -121,22 +121,14 @@ class LookupState:
     stats: LookupStats = field(default_factory=LookupStats)
     index: ContextIndex | None = None
 
-    def sync(self, tokens: torch.Tensor | list[int]) -> None:
-        """Append what `tokens` (the whole sequence the index covers) holds beyond what was indexed: only the new
-        tokens are read, so that a cycle costs no more on a long sequence."""
+    def propose(self, tokens: list[int]) -> Candidates:
+        """This cycle's candidates after `tokens` (the whole sequence so far; the index reads only what it has not
+        indexed yet, so that a cycle costs no more on a long sequence), with their conditional estimates."""
         if self.index is None:
             self.index = ContextIndex(max_ngram=self.options.max_ngram)
-        new = tokens[len(self.index) :]
-        self.index.extend(new.tolist() if isinstance(new, torch.Tensor) else new)
-
-    def propose(self) -> tuple[LookupTrie, list[float]]:
-        """This cycle's trie and each node's conditional estimate (`lookup_conditionals`)."""
+        self.index.extend(tokens[len(self.index) :])
         trie = self.index.lookup(self.options.depth, self.options.branches)
-        return trie, lookup_conditionals(trie, self.stats)
-
-    def observe(self, parents: list[int], lookup_match: list[int], path: list[int]) -> None:
-        """Count every lookup node whose parent was accepted: a hit if it was accepted too."""
-        observe_nodes(self.stats, parents, lookup_match, path)
+        return Candidates.of(trie, lookup_conditionals(trie, self.stats))
 
 
 def observe_nodes(stats: LookupStats, parents: list[int], match: list[int], path: list[int]) -> None:
@@ -158,10 +150,6 @@ def lookup_conditionals(trie: LookupTrie, stats: LookupStats) -> list[float]:
     return out
 
 
-def _effective_match(trie: LookupTrie, depths: list[int], i: int) -> int:
-    return trie.match[i] + depths[i] - 1
-
-
 @dataclass
 class Candidates:
     """One row's lookup continuations this cycle, from one source or several merged: the trie, each node's
@@ -177,7 +165,7 @@ class Candidates:
     def of(cls, trie: LookupTrie, cond: list[float], source: int = LOOKUP) -> Candidates:
         """One source's trie (`source`: LOOKUP or CORPUS) with its `lookup_conditionals`."""
         depths = trie.depths()
-        match = [0] + [_effective_match(trie, depths, i) for i in range(1, trie.num_nodes)]
+        match = [0] + [trie.match[i] + depths[i] - 1 for i in range(1, trie.num_nodes)]  # effective matches
         zeros = [0] * trie.num_nodes
         return cls(
             trie,

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicCache
 
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.target_cache import target_tree_mask
-from eagle3_hf.generation.tree import tree_attention_mask
+from eagle3_hf.generation.tree import node_paths, tree_attention_mask
 from eagle3_hf.utils.compat import cache_kwargs
 
 __all__ = ["DEFAULT_PROBE_TREE", "ProbeResult", "probe_row_exactness"]
@@ -98,13 +98,6 @@ class _Recorder:
             handle.remove()
 
 
-def _paths(parents: list[int]) -> list[list[int]]:
-    paths: list[list[int]] = []
-    for i, p in enumerate(parents):
-        paths.append([i] if p < 0 else paths[p] + [i])
-    return paths
-
-
 def _differs(tree: torch.Tensor, steps: list[torch.Tensor]) -> bool:
     """Whether some node's row of the tree forward's output differs from its one-token step's (rows along the axis
     that has one entry per node: `[1, T, ...]`, or `[1, heads, T, dim]` after a transpose)."""
@@ -137,7 +130,7 @@ def probe_row_exactness(
     vocab = target.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     tokens = torch.randint(0, vocab, (len(parents),), generator=generator).to(device)
-    paths = _paths(parents)
+    paths = node_paths(parents)
     depths = torch.tensor([len(p) - 1 for p in paths], device=device)
     recorder = _Recorder(target)
     try:

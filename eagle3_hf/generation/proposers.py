@@ -36,6 +36,7 @@ from eagle3_hf.generation.hybrid import (
     graft,
     graft_sampled,
     merge_candidates,
+    observe_nodes,
 )
 from eagle3_hf.generation.sampled_trees import build_sampled_trees
 from eagle3_hf.generation.target_cache import worth_compacting
@@ -175,8 +176,7 @@ class LookupProposer(Proposer):
             sequence = run.tokens[row][run.starts[row] :]  # the host's copy of the row's output
             cands = None
             if self.context:
-                self.lookups[i].sync(sequence)
-                cands = Candidates.of(*self.lookups[i].propose())
+                cands = self.lookups[i].propose(sequence)
             if self.corpus is not None:
                 found = self.corpus.propose(sequence)
                 cands = found if cands is None else merge_candidates(cands, found)
@@ -205,7 +205,7 @@ class LookupProposer(Proposer):
             return
         for i, (row, result) in enumerate(zip(proposal.rows, results)):
             if self.context and row.match is not None:
-                self.lookups[i].observe(row.tree.host.parents, row.match, result.path)
+                observe_nodes(self.lookups[i].stats, row.tree.host.parents, row.match, result.path)
             if self.corpus is not None and row.corpus_match is not None:
                 self.corpus.observe(row.tree.host.parents, row.corpus_match, result.path)
 

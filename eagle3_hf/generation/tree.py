@@ -28,6 +28,7 @@ __all__ = [
     "HostTree",
     "children_lists",
     "cut_host",
+    "node_paths",
     "read_on_host",
     "subtree",
     "sample_children",
@@ -176,6 +177,14 @@ def children_lists(parents: torch.Tensor | list[int]) -> list[list[int]]:
     for node, parent in enumerate(parent_list[1:], start=1):
         children[parent].append(node)
     return children
+
+
+def node_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from the root, root first (`parents` as a list)."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        paths.append([node] if parent < 0 else paths[parent] + [node])
+    return paths
 
 
 def cut_host(host: HostTree, total_tokens: int) -> list[int]:
