@@ -37,21 +37,14 @@ class LinearCost:
         self.samples.append((float(n), float(seconds)))
 
     def coefficients(self) -> tuple[float, float]:
-        if len(self.samples) < 2:
-            if self.samples:  # one observation: keep the prior slope ratio, rescale the level
-                n, t = self.samples[0]
-                scale = t / max(self.prior_a + self.prior_b * n, 1e-9)
-                return self.prior_a * scale, self.prior_b * scale
+        if not self.samples:
             return self.prior_a, self.prior_b
         xs = torch.tensor([s[0] for s in self.samples], dtype=torch.float64)
         ts = torch.tensor([s[1] for s in self.samples], dtype=torch.float64)
-        if float(xs.max() - xs.min()) < 1.0:  # all at one size: level known, slope from the prior ratio
-            level = float(ts.mean())
-            n = float(xs.mean())
-            ratio = self.prior_b / max(self.prior_a + self.prior_b * n, 1e-12)
-            b = level * ratio
-            return max(level - b * n, 1e-9), b
         xm, tm = xs.mean(), ts.mean()
+        if float(xs.max() - xs.min()) < 1.0:  # all at one size: the level is known, the slope ratio is the prior's
+            scale = float(tm) / max(self.prior_a + self.prior_b * float(xm), 1e-9)
+            return max(self.prior_a * scale, 1e-9), self.prior_b * scale
         b = float(((xs - xm) * (ts - tm)).sum() / ((xs - xm) ** 2).sum())
         b = max(b, 0.0)
         a = max(float(tm) - b * float(xm), 1e-9)

@@ -283,17 +283,11 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
         if eager:
             node_scores.choices = [int(c) for c in choices[i]]
         if run.do_sample:
-            # a root-only tree has no drafted children: sample_accept then draws the bonus from p
-            draft_probs = (
-                tree.draft_probs
-                if tree.draft_probs is not None
-                else (lambda node, s=node_scores: torch.zeros_like(s.raw(node)))
-            )
             result = sample_accept(
                 tree.tokens,
                 tree.parents,
                 node_scores.probs,
-                draft_probs,
+                tree.draft_probs,  # None for a tree without drafted children (a lookup's alone, or the root)
                 point_mass=proposal.point_mass,
                 draws=proposal.draws,
             )

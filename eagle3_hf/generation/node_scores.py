@@ -49,14 +49,10 @@ class NodeScores:
     choices: list[int] | None = None  # the greedy choice at every node, when read with the tree (engine.accept)
     _processed: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def raw(self, node: int) -> torch.Tensor:
-        """Node `node`'s logits in fp32, `[V]`."""
-        return self.logits[node].float()
-
     def processed(self, node: int) -> torch.Tensor:
         """Node `node`'s logits in fp32 after the processors, given its own path as input_ids, `[V]` (cached)."""
         if node not in self._processed:
-            scores = self.raw(node)
+            scores = self.logits[node].float()
             if len(self.processors) > 0:
                 ids, rows = self.input_ids(node), self.batch_size
                 scores = self.processors(ids.expand(rows, -1), scores[None].expand(rows, -1).clone())[self.row]

@@ -183,7 +183,7 @@ class LookupProposer(Proposer):
             out.append(cands)
         return out
 
-    def rows(self, run: DecodeRun, roots: torch.Tensor, tries: list[Candidates]) -> list[RowTree] | None:
+    def rows(self, run: DecodeRun, tries: list[Candidates]) -> list[RowTree] | None:
         """Lookup-only trees (None when no row has a continuation)."""
         trees, total = [], run.budget.total_tokens
         for root, cands in zip(run.roots(), tries):
@@ -198,7 +198,7 @@ class LookupProposer(Proposer):
         return trees if any(row.tree.num_nodes > 1 for row in trees) else None
 
     def propose(self, run, roots) -> Proposal:
-        return Proposal(self.rows(run, roots, self.tries(run)))
+        return Proposal(self.rows(run, self.tries(run)))
 
     def observe(self, run, proposal, results, features, tokens, keep) -> None:
         if proposal.rows is None:
@@ -245,7 +245,7 @@ class HybridProposer(Proposer):
         )
         consulted, worth = (False, False) if confident else self.draft.consult(run)
         if not worth:
-            return Proposal(self.lookup.rows(run, roots, tries), consulted=consulted)
+            return Proposal(self.lookup.rows(run, tries), consulted=consulted)
         total = run.budget.total_tokens
         if run.do_sample:  # the lookup's nodes are chosen from the context alone, before any draw
             room = total - 1 - run.budget.top_k  # leave the draft its first level

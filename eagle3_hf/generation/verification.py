@@ -197,7 +197,7 @@ def sample_accept(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     target_probs_fn: ProbsSource,
-    draft_probs: ProbsSource,
+    draft_probs: ProbsSource | None,
     generator: torch.Generator | None = None,
     point_mass: torch.Tensor | Sequence[bool] | None = None,
     draws: dict[int, list[int]] | None = None,
@@ -212,7 +212,7 @@ def sample_accept(
             nodes visited), or a ``[T, V]`` tensor.
         draft_probs: ``[T, V]`` tensor, or ``node -> [V]``: the draft distribution over the target vocabulary
             (zeros outside the draft vocabulary) from which ``node``'s children were drawn. Only read for visited
-            nodes that have draft children.
+            nodes that have draft children; None for a tree without any.
         generator: RNG on the distributions' device; a fixed seed reproduces the result.
         point_mass: optional ``[T]`` bools: node ``i`` is a deterministic proposal (a context lookup's token)
             rather than a draw. A node's point-mass children must come before its draft children in index order.
@@ -240,7 +240,7 @@ def sample_accept(
     """
     _check_tree(tokens, parents)
     target_row = _as_row_fn(target_probs_fn, "target_probs_fn")
-    draft_row = _as_row_fn(draft_probs, "draft_probs")
+    draft_row = None if draft_probs is None else _as_row_fn(draft_probs, "draft_probs")
     children = children_lists(parents)
     token_list = tokens.tolist()
     points = [False] * len(token_list) if point_mass is None else [bool(b) for b in point_mass]
@@ -260,6 +260,8 @@ def sample_accept(
             raise ValueError(f"node {node}: point-mass children {fixed} must come before the draft children {drawn}")
         sequence = _draw_sequence(node, [token_list[c] for c in drawn], [token_list[c] for c in fixed], draws)
         uniforms = torch.rand(len(fixed) + len(sequence), generator=generator, device=p.device)
+        if sequence and draft_row is None:
+            raise ValueError(f"node {node} has draft children but no `draft_probs` was given")
         q = draft_row(node) if sequence else torch.zeros_like(p)
         accepted, residual = rrs_step(p, q, sequence, uniforms, point_masses=[token_list[c] for c in fixed])
         if accepted is None:
