@@ -1,25 +1,13 @@
-"""EAGLE-3 tree decoding inside `target.generate(..., assistant_model=draft)`.
+"""EAGLE-3 tree decoding inside `target.generate(..., assistant_model=draft)`: binding, options, the output.
 
-How it plugs in. Stock assisted generation verifies single chains (even the candidate generators that
-read the target's hidden states), and transformers has no registry for candidate generators. Its public extension
-point for a whole decoding loop is `generate(custom_generate=callable)`: generate() still prepares
-the cache, logits processors and stopping criteria, then hands over. Binding a target to a draft
-(`bind_target(draft, target)`, or `ContextLookup().bind(target)`) sets `target.generate` on that one instance -- the same per-instance mechanism transformers itself
-uses for `custom_generate` folders shipped with a model -- to a thin wrapper: with an
-`Eagle3DraftModel` as `assistant_model` it calls the class's own `generate` with
-`custom_generate=eagle3_decoding`; otherwise it calls it unchanged. Nothing in transformers is
-patched, and it only relies on the public `custom_generate` contract.
-
-One loop decodes every batch size (engine.py): a single prompt is a batch of one, and a left-padded batch has every
-row draft its own tree and one target forward verify them all. Per cycle the proposer (proposers.py: the draft's
-tree, the context lookup's, or both in one) builds a tree per row, one target forward verifies all nodes with 4D tree
-masks and depth positions, each row accepts the longest valid path (verification.py), the cache keeps only the
-accepted entries, and the accepted tokens' tapped features -- taken from that same forward -- go to the draft.
-
-A context lookup (hybrid.py) adds the continuations of the current suffix's earlier occurrences to the same tree:
-`context_lookup=True` with a draft (the hybrid tree; the default), or `assistant_model=ContextLookup()`
-without one (model-free, for a target that has no trained draft yet: `ContextLookup.bind(target)` routes its
-generate() the same way). A corpus of the target's earlier answers (corpus_source.py) is one more lookup source.
+How it plugs in. Stock assisted generation verifies single chains, and transformers has no registry for candidate
+generators; its public extension point for a whole decoding loop is `generate(custom_generate=callable)`: generate()
+still prepares the cache, logits processors and stopping criteria, then hands over. `bind_target(draft, target)` (or
+`ContextLookup().bind(target)`) sets `target.generate` on that one instance -- the per-instance mechanism transformers
+itself uses for `custom_generate` folders shipped with a model -- to a thin wrapper that calls the class's own
+`generate` with `custom_generate=eagle3_decoding` for an EAGLE-3 assistant, and unchanged otherwise. Nothing in
+transformers is patched. The loop itself is engine.py's; the proposers (the draft's tree, the context lookup's, the
+corpus's, merged) are proposers.py's.
 """
 
 from __future__ import annotations
@@ -191,13 +179,13 @@ def _tree_options_and_refusals(target: PreTrainedModel, config: GenerationConfig
 def _bound_generate(target: PreTrainedModel, *args: Any, assistant_model: Any = None, **kwargs: Any) -> Any:
     if not isinstance(assistant_model, (Eagle3DraftModel, ContextLookup)):
         return type(target).generate(target, *args, assistant_model=assistant_model, **kwargs)
-    _tree_options_and_refusals(target, kwargs.get("generation_config") or (args[1] if len(args) > 1 else None), kwargs)
+    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
+    _tree_options_and_refusals(target, config, kwargs)
     # generate() hands a custom_generate callable neither the streamer nor the tokenizer (it rebuilds those
     # kwargs from the callable's signature): pass the streamer under our own name, and build the stop-string
     # criterion here, since generate() would otherwise fail to find a tokenizer for it.
     tokenizer = kwargs.pop("tokenizer", None)
     stop_strings = kwargs.pop("stop_strings", None)
-    config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
     if config is None and getattr(target.generation_config, "stop_strings", None):
         kwargs["generation_config"] = config = target.generation_config
     if stop_strings is None and config is not None and getattr(config, "stop_strings", None):
