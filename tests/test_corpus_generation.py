@@ -159,11 +159,11 @@ def test_merged_candidates_keep_each_sources_match_and_the_larger_estimate():
     merged = merge_candidates(ctx, cor)
     assert merged.trie.tokens == [-1, 1, 4, 5, 6] and merged.trie.parents == [-1, 0, 1, 2, 1]
     assert merged.sources == [0, LOOKUP | CORPUS, LOOKUP, LOOKUP, CORPUS]
-    assert merged.match == [0, 3, 4, 5, 0] and merged.corpus_match == [0, 5, 0, 0, 6]
+    assert merged.match == {LOOKUP: [0, 3, 4, 5, 0], CORPUS: [0, 5, 0, 0, 6]}
     assert merged.cond[1] == pytest.approx(0.9) and merged.cond[2] == ctx.cond[2]
     row = graft(HostTree([9], [-1], [0.0]), merged, total_tokens=3, device=torch.device("cpu"))
     assert row.tree.tokens.tolist() == [9, 1, 6] and row.sources == [0, LOOKUP | CORPUS, CORPUS]  # corpus's 0.81 wins
-    assert row.corpus_match == [0, 5, 6] and row.match == [0, 3, 0]
+    assert row.match == {LOOKUP: [0, 3, 0], CORPUS: [0, 5, 6]}
     assert source_counts([0, 1, 2, 4, 3, 6], [0, 1, 2, 3, 4, 5], 5) == (1, 1, 1, 2)
 
 
@@ -171,8 +171,8 @@ def test_the_corpus_hit_rates_are_learnt_from_its_own_nodes(cases, monkeypatch):
     source = open_corpus(CorpusIndex.build([[1, 2, 3, 4]] * 2, vocab_size=V), V, depth=4)
     found = source.propose(torch.tensor([9, 1, 2]))
     row = graft(HostTree([2], [-1], [0.0]), found, total_tokens=8, device=torch.device("cpu"))
-    tree, corpus_match = row.tree, row.corpus_match
-    assert tree.tokens.tolist() == [2, 3, 4] and row.match == [0, 0, 0] and corpus_match == [0, 2, 3]
+    tree, corpus_match = row.tree, row.match[CORPUS]
+    assert tree.tokens.tolist() == [2, 3, 4] and row.match == {LOOKUP: [0, 0, 0], CORPUS: [0, 2, 3]}
     prior = source.stats.rate(2)
     for _ in range(20):  # the corpus's first token rejected every time: only it was a trial (its parent accepted)
         source.observe(tree.parents.tolist(), corpus_match, [0])

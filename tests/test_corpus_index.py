@@ -234,7 +234,7 @@ def test_the_trie_feeds_the_hybrid_trees():
     row = graft(HostTree([5], [-1], [0.0]), cands, total_tokens=8, device=torch.device("cpu"))
     tree, sources = row.tree, row.sources
     assert tree.tokens.tolist() == [5, 6, 7] and tree.parents.tolist() == [-1, 0, 1] and sources == [0, LOOKUP, LOOKUP]
-    assert row.match == [0, 2, 3]  # effective match: the 2 tokens matched, then the continuation's tokens above
+    assert row.match[LOOKUP] == [0, 2, 3]  # effective match: the 2 tokens matched, then the continuation's tokens above
     merged = graft(tree.host, cands, total_tokens=8, device=tree.tokens.device)  # a second source: equal nodes merge
     assert merged.tree.tokens.tolist() == [5, 6, 7] and merged.sources == [0, BOTH, BOTH]
 

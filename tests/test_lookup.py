@@ -128,7 +128,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     assert trie.tokens == [-1, 1, 4, 5]
     cands = Candidates.of(trie, lookup_conditionals(trie, LookupStats()))
     row = graft(draft.host, cands, total_tokens=10, device=torch.device("cpu"))
-    tree, sources, match = row.tree, row.sources, row.match
+    tree, sources, match = row.tree, row.sources, row.match[LOOKUP]
     assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
     assert sources == [0, BOTH, DRAFT, DRAFT, LOOKUP, LOOKUP]

@@ -158,22 +158,15 @@ class Candidates:
     trie: LookupTrie
     cond: list[float]
     sources: list[int]
-    match: list[int]  # the context's
-    corpus_match: list[int]
+    match: dict[int, list[int]]  # per lookup source (LOOKUP, CORPUS): each node's effective match there
 
     @classmethod
     def of(cls, trie: LookupTrie, cond: list[float], source: int = LOOKUP) -> Candidates:
         """One source's trie (`source`: LOOKUP or CORPUS) with its `lookup_conditionals`."""
         depths = trie.depths()
-        match = [0] + [trie.match[i] + depths[i] - 1 for i in range(1, trie.num_nodes)]  # effective matches
-        zeros = [0] * trie.num_nodes
-        return cls(
-            trie,
-            cond,
-            [0] + [source] * (trie.num_nodes - 1),
-            match if source == LOOKUP else zeros,
-            match if source == CORPUS else zeros,
-        )
+        effective = [0] + [trie.match[i] + depths[i] - 1 for i in range(1, trie.num_nodes)]
+        match = {s: effective if s == source else [0] * trie.num_nodes for s in (LOOKUP, CORPUS)}
+        return cls(trie, cond, [0] + [source] * (trie.num_nodes - 1), match)
 
 
 def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
@@ -182,7 +175,7 @@ def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
     trie = LookupTrie(
         list(first.trie.tokens), list(first.trie.parents), list(first.trie.counts), list(first.trie.match)
     )
-    out = Candidates(trie, list(first.cond), list(first.sources), list(first.match), list(first.corpus_match))
+    out = Candidates(trie, list(first.cond), list(first.sources), {s: list(m) for s, m in first.match.items()})
     child_of = {(trie.parents[i], trie.tokens[i]): i for i in range(1, trie.num_nodes)}
     mapped = [0] * second.trie.num_nodes
     for i in range(1, second.trie.num_nodes):
@@ -193,12 +186,12 @@ def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
             trie.tokens.append(token)
             trie.parents.append(parent)
             out.cond.append(0.0)
-            for values in (trie.counts, trie.match, out.sources, out.match, out.corpus_match):
+            for values in (trie.counts, trie.match, out.sources, *out.match.values()):
                 values.append(0)
         out.cond[node] = max(out.cond[node], second.cond[i])
         out.sources[node] |= second.sources[i]
-        out.match[node] = max(out.match[node], second.match[i])
-        out.corpus_match[node] = max(out.corpus_match[node], second.corpus_match[i])
+        for source, values in out.match.items():
+            values[node] = max(values[node], second.match[source][i])
         trie.match[node] = max(trie.match[node], second.trie.match[i])
         mapped[i] = node
     return out
@@ -211,8 +204,7 @@ class RowTree:
 
     tree: DraftTree
     sources: list[int] | None = None  # per node its source bits, DRAFT | LOOKUP | CORPUS; None: the draft alone
-    match: list[int] | None = None  # per node: effective context match length, 0 for nodes not from the context
-    corpus_match: list[int] | None = None  # per node: effective corpus match length, 0 for nodes not from it
+    match: dict[int, list[int]] | None = None  # per lookup source, per node: effective match (0: not from it)
     point_mass: torch.Tensor | None = None  # sampled trees: nodes that are lookup proposals (a point mass)
     draws: dict[int, list[int]] | None = None  # sampled trees: draw sequences where duplicates were removed
 
@@ -226,7 +218,7 @@ class RowTree:
         if n >= self.tree.num_nodes - 1:
             return self
         host = self.tree.host if self.tree.host is not None else DraftTree.with_hosts([self.tree])[0][0].host
-        return _cut(host, n + 1, self.tree.tokens.device, self.sources, self.match, self.corpus_match)
+        return _cut(host, n + 1, self.tree.tokens.device, self.sources, self.match)
 
 
 def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.device) -> RowTree:
@@ -235,7 +227,7 @@ def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.de
     trie, cond = cands.trie, cands.cond
     tokens, parents, scores = list(host.tokens), list(host.parents), list(host.scores)
     sources = [0] + [DRAFT] * (len(tokens) - 1)
-    match, corpus_match = [0] * len(tokens), [0] * len(tokens)
+    match = {source: [0] * len(tokens) for source in cands.match}
     child_of = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
     mapped = [0] * trie.num_nodes  # trie node -> tree node
     for i in range(1, trie.num_nodes):
@@ -247,16 +239,16 @@ def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.de
             tokens.append(trie.tokens[i])
             parents.append(parent)
             scores.append(score)
-            sources.append(0)
-            match.append(0)
-            corpus_match.append(0)
+            for values in (sources, *match.values()):
+                values.append(0)
             child_of[(parent, trie.tokens[i])] = node
         else:
             scores[node] = max(scores[node], score)
         sources[node] |= cands.sources[i]
-        match[node], corpus_match[node] = cands.match[i], cands.corpus_match[i]
+        for source, values in match.items():
+            values[node] = cands.match[source][i]
         mapped[i] = node
-    return _cut(HostTree(tokens, parents, scores), total_tokens, device, sources, match, corpus_match)
+    return _cut(HostTree(tokens, parents, scores), total_tokens, device, sources, match)
 
 
 def _cut(
@@ -264,19 +256,19 @@ def _cut(
     total_tokens: int,
     device: torch.device,
     sources: list[int] | None = None,
-    match: list[int] | None = None,
-    corpus_match: list[int] | None = None,
+    match: dict[int, list[int]] | None = None,
 ) -> RowTree:
     """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host,
-    with their per-node lists (None stays None). The scores are rounded to the tree's fp32 first, so that ties are
-    those of the tensor it becomes."""
+    with their sources and matches (both None for the draft's tree alone). The scores are rounded to the tree's fp32
+    first, so that ties are those of the tensor it becomes."""
     host = HostTree(host.tokens, host.parents, array("f", host.scores).tolist())
-    per_node = [sources, match, corpus_match]
     if len(host.parents) > total_tokens:
         kept = cut_host(host, total_tokens)
         host = subtree(host, kept)
-        per_node = [None if values is None else [values[r] for r in kept] for values in per_node]
-    return RowTree(DraftTree.from_lists(host, device), *per_node)
+        if sources is not None:
+            sources = [sources[r] for r in kept]
+            match = {source: [values[r] for r in kept] for source, values in match.items()}
+    return RowTree(DraftTree.from_lists(host, device), sources, match)
 
 
 def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -> RowTree:
@@ -286,7 +278,8 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
     device, trie = tree.tokens.device, cands.trie
     t_tokens, t_parents, t_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
     new_of_trie = {0: 0}
-    tokens, parents, scores, sources, match, corpus_match = [t_tokens[0]], [-1], [0.0], [0], [0], [0]
+    tokens, parents, scores, sources = [t_tokens[0]], [-1], [0.0], [0]
+    match = {source: [0] for source in cands.match}
     for i in lookup_nodes:
         new_of_trie[i] = len(tokens)
         parent = new_of_trie[trie.parents[i]]
@@ -294,8 +287,8 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
         parents.append(parent)
         scores.append(scores[parent] + math.log(max(cands.cond[i], 1e-12)))
         sources.append(cands.sources[i])
-        match.append(cands.match[i])
-        corpus_match.append(cands.corpus_match[i])
+        for source, values in match.items():
+            values.append(cands.match[source][i])
     n_lookup = len(tokens) - 1
     first_level = {trie.tokens[i] for i in lookup_nodes if trie.parents[i] == 0}
     draws = {0: [t_tokens[c] for c in range(1, len(t_tokens)) if t_parents[c] == 0]} if first_level else {}
@@ -310,14 +303,14 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
         parents.append(new_of_draft[p])
         scores.append(t_scores[c])
         sources.append(DRAFT)
-        match.append(0)
-        corpus_match.append(0)
+        for values in match.values():
+            values.append(0)
         rows.append(c)
     probs = tree.draft_probs[torch.tensor(rows, device=device)] if tree.draft_probs is not None else None
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
     merged = DraftTree.from_lists(HostTree(tokens, parents, array("f", scores).tolist()), device, probs)
-    return RowTree(merged, sources, match, corpus_match, point_mass, draws)
+    return RowTree(merged, sources, match, point_mass, draws)
 
 
 def best_lookup_nodes(trie: LookupTrie, cond: list[float], limit: int, min_estimate: float = 0.05) -> list[int]:

@@ -28,6 +28,8 @@ import torch
 from eagle3_hf.generation.corpus_source import CorpusSource
 from eagle3_hf.generation.drafting import DraftState, build_greedy_trees, catch_up
 from eagle3_hf.generation.hybrid import (
+    CORPUS,
+    LOOKUP,
     Candidates,
     LookupOptions,
     LookupState,
@@ -205,9 +207,9 @@ class LookupProposer(Proposer):
             return
         for i, (row, result) in enumerate(zip(proposal.rows, results)):
             if self.context and row.match is not None:
-                observe_nodes(self.lookups[i].stats, row.tree.host.parents, row.match, result.path)
-            if self.corpus is not None and row.corpus_match is not None:
-                self.corpus.observe(row.tree.host.parents, row.corpus_match, result.path)
+                observe_nodes(self.lookups[i].stats, row.tree.host.parents, row.match[LOOKUP], result.path)
+            if self.corpus is not None and row.match is not None:
+                self.corpus.observe(row.tree.host.parents, row.match[CORPUS], result.path)
 
     def select_rows(self, rows) -> None:
         self.lookups = [self.lookups[i] for i in rows] if self.context else []
