@@ -172,35 +172,19 @@ def prefill(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tenso
     ids, mask = input_ids[:, lead:], attention_mask[:, lead:]
     holes = not bool(mask.all())
     positions = (mask.long().cumsum(dim=-1) - 1).masked_fill(mask == 0, 0) if holes else None
-    with torch.no_grad():
-        out = run.model(
-            input_ids=ids,
-            attention_mask=mask if holes else None,
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=run.proposer.needs_hidden_states,
-            logits_to_keep=1,
-            **cache_kwargs(run.cache),
-            **_exact_kwargs(run),
-        )
-    raw = out.logits[:, -1].float()  # [B, V]
+    logits, features = _target_forward(
+        run, input_ids=ids, attention_mask=mask if holes else None, position_ids=positions, logits_to_keep=1
+    )
+    raw = logits[:, -1].float()  # [B, V]
     processed = run.logits_processor(input_ids, raw.clone())
-    first = select_tokens(run, processed)  # [B]
-    features = select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
+    # one token per row, as plain generate() picks it
+    first = torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0] if run.do_sample else processed.argmax(dim=-1)
     # pair (feature at t, token at t + 1): real exactly where token t is
     run.proposer.prefill(run, features, torch.cat([ids[:, 1:], first[:, None]], dim=1), mask.bool())
     run.columns = TargetColumns.from_prompt(mask)
-    del out
     _sync(run.device)
     run.prefill_time = time.perf_counter() - t0
     emit(run, [[token] for token in first.tolist()], None, [_Scores(processed[i], raw[i]) for i in range(len(first))])
-
-
-def select_tokens(run: DecodeRun, processed: torch.Tensor) -> torch.Tensor:
-    """One token per row of `processed` `[A, V]`, as plain generate() picks it."""
-    if run.do_sample:
-        return torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0]
-    return processed.argmax(dim=-1)
 
 
 def propose(run: DecodeRun) -> tuple[Proposal, float | None, float]:
@@ -240,21 +224,25 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
     if padded.tokens.shape[1] > 1 or not bool(run.columns.valid.all()):  # a plain step of rows without holes: none
         mask = verify_mask(run.columns, padded, run.model.dtype, run.model.config)
     try:
-        with torch.no_grad():
-            out = run.model(
-                input_ids=padded.tokens,
-                attention_mask=mask,
-                position_ids=padded.positions,
-                use_cache=True,
-                output_hidden_states=run.proposer.needs_hidden_states,
-                **cache_kwargs(run.cache),
-                **_exact_kwargs(run),
-            )
+        return _target_forward(run, input_ids=padded.tokens, attention_mask=mask, position_ids=padded.positions)
     finally:
         if run.exact is not None:
             run.exact.clear_tree()
-    features = select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
-    return out.logits, features
+
+
+def _target_forward(run: DecodeRun, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's forward over its cache, handed the call's row-exact state (exact_attention.py). Returns its
+    logits and the tapped features (None when the proposer reads none)."""
+    exact = {} if run.exact is None else {"eagle3_exact": run.exact}
+    with torch.no_grad():
+        out = run.model(
+            **inputs,
+            use_cache=True,
+            output_hidden_states=run.proposer.needs_hidden_states,
+            **cache_kwargs(run.cache),
+            **exact,
+        )
+    return out.logits, select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
 
 
 def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[list[AcceptResult], list[NodeScores]]:
@@ -362,11 +350,6 @@ class _Scores:
 
     def raw_rows(self, nodes: list[int]) -> torch.Tensor:
         return self.raw[None]
-
-
-def _exact_kwargs(run: DecodeRun) -> dict[str, Any]:
-    """The keyword that hands the call's row-exact state to the attention function (see exact_attention.py)."""
-    return {} if run.exact is None else {"eagle3_exact": run.exact}
 
 
 def _sync(device: torch.device) -> None:

@@ -188,10 +188,8 @@ class LookupProposer(Proposer):
     def rows(self, run: DecodeRun, tries: list[Candidates]) -> list[RowTree] | None:
         """Lookup-only trees (None when no row has a continuation)."""
         trees, total = [], run.budget.total_tokens
-        for root, cands in zip(run.roots(), tries):
-            if cands.trie.num_nodes <= 1:
-                trees.append(root_only(root, run.device))
-            elif run.do_sample:
+        for root, cands in zip(run.roots(), tries):  # a row without a continuation gets the root alone
+            if run.do_sample:
                 chosen = best_lookup_nodes(cands.trie, cands.cond, total - 1)
                 base = root_only(root, run.device).tree
                 trees.append(graft_sampled(base, cands, chosen) if chosen else RowTree(base))
