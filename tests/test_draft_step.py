@@ -103,8 +103,8 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         torch.testing.assert_close(logits2, ref2.logits[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(hidden2, ref2.last_hidden_state, rtol=1e-4, atol=1e-5)
     assert kv.capacity >= 12 and kv.length == 7  # the tree's slots are scratch: the verified length is unchanged
-    assert kv.num_layers == draft.config.num_hidden_layers and len(ref2.cache.layers) == kv.num_layers
-    for layer in range(kv.num_layers):  # every layer's keys sit at the same slots as the model cache's entry
+    assert kv.keys.shape[0] == draft.config.num_hidden_layers and len(ref2.cache.layers) == kv.keys.shape[0]
+    for layer in range(kv.keys.shape[0]):  # every layer's keys sit at the same slots as the model cache's entry
         torch.testing.assert_close(kv.keys[layer, :, :, :12], ref2.cache.layers[layer].keys, rtol=1e-4, atol=1e-5)
 
 

@@ -57,10 +57,6 @@ class DraftKV:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
-    @property
-    def num_layers(self) -> int:
-        return self.keys.shape[0]
-
     def write(
         self, slot: int, keys: torch.Tensor, values: torch.Tensor, layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,16 +40,6 @@ class AcceptResult:
     path: list[int]
     bonus_token: int
 
-    @property
-    def tau(self) -> int:
-        """Tokens emitted this cycle: accepted drafts + the bonus token."""
-        return len(self.path)
-
-
-def _check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
-    if tokens.dim() != 1 or parents.shape != tokens.shape:
-        raise ValueError(f"expected tokens [T] and parents [T], got {tuple(tokens.shape)} and {tuple(parents.shape)}")
-
 
 def greedy_accept(tokens: list[int], children: list[list[int]], next_of: Callable[[int], int]) -> AcceptResult:
     """Greedy verification of a tree read on the host: its tokens and each node's children (`tree.children_lists`).
@@ -238,7 +228,8 @@ def sample_accept(
     it stays a step of the recursion, which is what keeps the residuals after it right. The subtrees of the draws
     that were removed are never reached. Deeper nodes are the same argument one level down, conditioned on the path.
     """
-    _check_tree(tokens, parents)
+    if tokens.dim() != 1 or parents.shape != tokens.shape:
+        raise ValueError(f"expected tokens [T] and parents [T], got {tuple(tokens.shape)} and {tuple(parents.shape)}")
     target_row = _as_row_fn(target_probs_fn, "target_probs_fn")
     draft_row = None if draft_probs is None else _as_row_fn(draft_probs, "draft_probs")
     children = children_lists(parents)
