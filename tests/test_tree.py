@@ -236,7 +236,7 @@ def test_sample_children_without_replacement_in_draw_order():
     n = 6000
     counts = torch.zeros(4, 4)
     for _ in range(n):
-        first, second = sample_children(probs, 2, generator, is_probs=True).tolist()
+        first, second = sample_children(probs.log(), 2, generator).tolist()
         assert first != second
         counts[first, second] += 1
     # P(first=x, second=y) = q(x) q(y) / (1 - q(x)); zero-probability tokens are never drawn.
@@ -250,11 +250,11 @@ def test_sample_children_without_replacement_in_draw_order():
 
 def test_sample_children_support_and_logits():
     probs = torch.tensor([0.0, 0.7, 0.0, 0.3])
-    drawn = sample_children(probs, 3, torch.Generator().manual_seed(0), is_probs=True)
+    drawn = sample_children(probs.log(), 3, torch.Generator().manual_seed(0))
     assert sorted(drawn.tolist()) == [1, 3]  # truncated to the support
     logits = torch.tensor([0.3, -1.0, 2.0, 0.5, 0.0])
     from_logits = sample_children(logits, 3, torch.Generator().manual_seed(5))
-    from_probs = sample_children(logits.softmax(-1), 3, torch.Generator().manual_seed(5), is_probs=True)
+    from_probs = sample_children(logits.softmax(-1).log(), 3, torch.Generator().manual_seed(5))
     torch.testing.assert_close(from_logits, from_probs)
     assert len(set(from_logits.tolist())) == 3
 

@@ -151,7 +151,7 @@ def _build_sampled_tree(root: int, generator: torch.Generator):
     for parent in (0, 1, 2):
         if parent >= len(tokens):
             break
-        for token in sample_children(DRAFT[tokens[parent]], 2, generator, is_probs=True).tolist():
+        for token in sample_children(DRAFT[tokens[parent]].log(), 2, generator).tolist():
             tokens.append(token)
             parents.append(parent)
     tokens = torch.tensor(tokens)

@@ -212,21 +212,14 @@ def subtree(host: HostTree, kept: list[int]) -> HostTree:
     return HostTree([host.tokens[n] for n in kept], parents, [host.scores[n] for n in kept])
 
 
-def sample_children(
-    logits: torch.Tensor,
-    num: int,
-    generator: torch.Generator | None = None,
-    *,
-    is_probs: bool = False,
-) -> torch.Tensor:
+def sample_children(logits: torch.Tensor, num: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw ``num`` distinct tokens without replacement from one draft distribution, in draw order.
 
     Gumbel-top-k: sorting ``log q + Gumbel noise`` in decreasing order has the law of drawing tokens one after
     another without replacement, so the order of the result is the draw order.
 
     Args:
-        logits: ``[Vd]`` draft logits (already temperature-scaled / processed), or probabilities with
-            ``is_probs=True``.
+        logits: ``[Vd]`` draft logits (already temperature-scaled / processed) or log-probabilities.
         num: number of children to draw; fixed before drawing (see sampled_trees.py).
         generator: RNG on the same device as ``logits``, for reproducibility.
 
@@ -239,15 +232,10 @@ def sample_children(
     if num < 1:
         raise ValueError(f"`num` must be >= 1, got {num}")
     work_dtype = torch.promote_types(logits.dtype, torch.float32)
-    if is_probs:
-        if bool((logits < 0).any()) or not bool(logits.sum() > 0):
-            raise ValueError("`logits` given as probabilities (is_probs=True) must be >= 0 with a positive sum")
-        log_q = logits.to(work_dtype).log()
-    else:
-        log_q = torch.log_softmax(logits.to(work_dtype), dim=-1)
+    log_q = torch.log_softmax(logits.to(work_dtype), dim=-1)
     support = int(torch.isfinite(log_q).sum())
     if support == 0:
-        raise ValueError("`logits` gives no token a non-zero probability (all -inf logits or all-zero probs)")
+        raise ValueError("`logits` gives no token a non-zero probability (all -inf logits)")
     num = min(num, support)
     uniform = torch.rand(log_q.shape, generator=generator, device=log_q.device, dtype=work_dtype)
     tiny = torch.finfo(work_dtype).tiny
