@@ -169,7 +169,6 @@ class LookupProposer(Proposer):
 
     def prefill(self, run, features, next_tokens, valid) -> None:
         self.lookups = [LookupState(options=self.options) for _ in run.active] if self.context else []
-        self.prompt_ends = list(run.lengths)  # where each row's output starts (what an online corpus keeps)
 
     def tries(self, run: DecodeRun) -> list[Candidates]:
         """Each active row's candidates for this cycle (the context's first), its index synced with its output."""
@@ -214,7 +213,7 @@ class LookupProposer(Proposer):
 
     def finish(self, run) -> None:
         if self.corpus is not None:  # each row's new tokens, from the host's copy
-            self.corpus.finish([run.tokens[row][self.prompt_ends[row] :] for row in range(run.batch_size)])
+            self.corpus.finish([run.tokens[row][run.prompt_length :] for row in range(run.batch_size)])
 
 
 class HybridProposer(Proposer):

@@ -116,7 +116,6 @@ class PaddedTrees:
     tokens: torch.Tensor  # [A, T]
     positions: torch.Tensor  # [A, T] root position + depth (dummy nodes: the root's)
     mask: torch.Tensor  # [A, T, T] bool: a node sees itself and its ancestors; a dummy node only itself
-    sizes: list[int]  # real nodes per row
 
 
 def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTrees:
@@ -132,9 +131,7 @@ def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTree
         depths[row, :n] = tree.depths
         if n > 1:
             mask[row, :n, :n] = tree_attention_mask(tree.parents, check=False)  # the loop's own trees
-    return PaddedTrees(
-        tokens=tokens, positions=next_position[:, None] + depths, mask=mask, sizes=[tree.num_nodes for tree in trees]
-    )
+    return PaddedTrees(tokens=tokens, positions=next_position[:, None] + depths, mask=mask)
 
 
 def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, config: Any) -> Any:
@@ -154,10 +151,9 @@ def verify_mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, 
 def target_tree_mask(config: Any, tree_mask: torch.Tensor, past: int, dtype: torch.dtype) -> Any:
     """`verify_mask` for one tree (`tree_mask` `[T, T]` bool: a node sees itself and its ancestors) behind `past`
     cached tokens of one row without holes, nodes at `past + depth`: `[1, 1, T, past + T]`, or per layer type."""
-    size = tree_mask.shape[0]
     columns = TargetColumns.from_prompt(torch.ones(1, past, dtype=torch.long, device=tree_mask.device))
     positions = past + tree_mask.sum(dim=-1)[None] - 1
-    trees = PaddedTrees(tokens=torch.zeros_like(positions), positions=positions, mask=tree_mask[None], sizes=[size])
+    trees = PaddedTrees(tokens=torch.zeros_like(positions), positions=positions, mask=tree_mask[None])
     return verify_mask(columns, trees, dtype, config)
 
 
