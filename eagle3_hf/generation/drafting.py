@@ -82,6 +82,24 @@ class DraftState:
         self.valid = self.valid.gather(1, order)
         self.kv.gather_columns(order)
 
+    def forward(
+        self,
+        draft: Eagle3DraftModel,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft_forward` over S new columns per row, written after the verified columns and the F scratch columns
+        fed before them this tree: each sees its row's verified pairs, and of the rest what `visible` `[A, S, F + S]`
+        allows."""
+        rows, new, width = visible.shape
+        allowed = torch.cat([self.valid[:, None, :].expand(rows, new, -1), visible], dim=2)
+        self.forward_calls += 1
+        slot = self.kv.length + width - new
+        return draft_forward(draft, self.kv, ids, hidden, positions, slot, additive_mask(allowed, hidden.dtype), rotary)
+
 
 @torch.no_grad()
 def catch_up(draft: Eagle3DraftModel, state: DraftState) -> None:
@@ -98,17 +116,12 @@ def catch_up(draft: Eagle3DraftModel, state: DraftState) -> None:
         state.kv = DraftKV.for_draft(draft, rows=rows)
         state.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)
         state.positions = torch.zeros(rows, dtype=torch.long, device=device)
-    start = state.kv.length
     hidden = draft.fuse(features.to(draft.fc.weight.dtype))
     # a pair sees the row's earlier pairs and itself; a hole sees only itself (an empty row would give NaNs)
     causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     block = (causal[None] & valid[:, None, :]) | torch.eye(n, dtype=torch.bool, device=device)[None]
-    allowed = torch.cat([state.valid[:, None, :].expand(rows, n, start), block], dim=2)
     positions = (state.positions[:, None] + valid.long().cumsum(dim=1) - 1).clamp(min=0)
-    state.forward_calls += 1
-    normed, feedback = draft_forward(
-        draft, state.kv, tokens, hidden, positions, start, additive_mask(allowed, hidden.dtype)
-    )
+    normed, feedback = state.forward(draft, tokens, hidden, positions, block)
     state.kv.length += n
     state.valid = torch.cat([state.valid, valid], dim=1)
     state.positions = state.positions + valid.sum(dim=1)
@@ -141,7 +154,6 @@ def build_greedy_trees(
     """
     device = roots.device
     rows, k = roots.numel(), budget.top_k
-    prefix = state.kv.length
     cand_ids, cand_scores = top_children(state.last_logits, k)  # [A, k0] each
     k0 = cand_ids.shape[1]
     all_scores, all_ids = [cand_scores], [cand_ids]
@@ -150,10 +162,10 @@ def build_greedy_trees(
     frontier_scores, frontier_ids = cand_scores, cand_ids
     frontier_hidden = state.last_hidden.expand(rows, k0, -1)
     width = frontier_hidden.shape[-1]
-    ancestors = torch.zeros(rows, k0, 0, dtype=torch.bool, device=device)  # [A, kf, fed]: over fed nodes
+    ancestors = torch.zeros(rows, k0, 0, dtype=torch.bool, device=device)  # [A, kf, fed]: over the nodes fed so far
     steps = torch.arange(budget.depth, device=device)
     cos, sin = draft.rotary_emb(frontier_hidden, state.positions[:, None] + steps[None])  # every level at once
-    flat_count, fed = k0, 0
+    flat_count = k0
     for level in range(1, budget.depth):
         # the batch cost model weighs a level by every row's best frontier node together (one read per level)
         best = frontier_scores.max(dim=1).values.exp().sum() if budget.grow is not None else None
@@ -162,19 +174,14 @@ def build_greedy_trees(
         kf = frontier.shape[1]
         eye = torch.eye(kf, dtype=torch.bool, device=device).expand(rows, kf, kf)
         ancestors = torch.cat([ancestors, eye], dim=2)
-        allowed = torch.cat([state.valid[:, None, :].expand(rows, kf, prefix), ancestors], dim=2)
-        state.forward_calls += 1
-        normed, feedback = draft_forward(
+        normed, feedback = state.forward(
             draft,
-            state.kv,
             draft.draft_to_target_ids(frontier_ids),
             frontier_hidden,
             (state.positions + level - 1)[:, None].expand(rows, kf),
-            prefix + fed,
-            additive_mask(allowed, frontier_hidden.dtype),
+            ancestors,
             rotary=(cos[:, level - 1 : level], sin[:, level - 1 : level]),
         )
-        fed += kf
         child_ids, child_logp = top_children(draft.lm_head(normed), k)  # [A, kf, k] each
         child_scores = (frontier_scores[:, :, None] + child_logp).reshape(rows, -1)
         all_scores.append(child_scores)

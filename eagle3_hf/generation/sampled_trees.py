@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3_hf.generation.draft_step import draft_forward
 from eagle3_hf.generation.drafting import DraftState, TreeBudget
 from eagle3_hf.generation.tree import DraftTree, HostTree, read_on_host, sample_children
-from eagle3_hf.modeling.masks import additive_mask
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
 __all__ = ["build_sampled_trees"]
@@ -82,7 +80,7 @@ def build_sampled_trees(
         row.level_nodes = row.add_children(draft, 0, q_root[r], count)
         row.hidden_of = {n: state.last_hidden[r, 0] for n in row.level_nodes}
         rows.append(row)
-    prefix, fed = state.kv.length, 0
+    fed = 0  # scratch columns fed so far, after the verified ones
     for level in range(1, budget.depth):
         frontiers = [_frontier(row, budget) for row in rows]
         kf = max(len(f) for f in frontiers)
@@ -101,16 +99,8 @@ def build_sampled_trees(
                 tokens[r, i] = row.tokens[node]
                 hidden[r, i] = row.hidden_of[node]
         allowed[:, :, fed:] |= torch.eye(kf, dtype=torch.bool, device=device)  # itself (dummy rows: only itself)
-        allowed = torch.cat([state.valid[:, None, :].expand(-1, kf, -1), allowed], dim=2)
-        state.forward_calls += 1
-        normed, feedback = draft_forward(
-            draft,
-            state.kv,
-            tokens,
-            hidden,
-            (state.positions + level - 1)[:, None].expand(-1, kf),
-            prefix + fed,
-            additive_mask(allowed, hidden.dtype),
+        normed, feedback = state.forward(
+            draft, tokens, hidden, (state.positions + level - 1)[:, None].expand(-1, kf), allowed
         )
         fed += kf
         q_levels = torch.softmax(draft.lm_head(normed).float() / temperature, dim=-1)  # [A, kf, Vd]
