@@ -27,7 +27,6 @@ from eagle3_hf.generation.hybrid import (
     Candidates,
     LookupStats,
     graft,
-    lookup_conditionals,
     merge_candidates,
     source_counts,
 )
@@ -154,8 +153,8 @@ def test_merged_candidates_keep_each_sources_match_and_the_larger_estimate():
     context = build_trie([7, 1, 4, 5, 7], [(1, 3)], depth=3)  # r -> 1 -> 4 -> 5, on a 3-token match
     corpus = build_trie([7, 1, 6, 9, 7], [(1, 5)], depth=2)  # r -> 1 -> 6, on a 5-token match
     corpus.counts = [4, 4, 4]
-    ctx = Candidates.of(context, lookup_conditionals(context, LookupStats()))
-    cor = Candidates.of(corpus, lookup_conditionals(corpus, LookupStats(prior=(0.9,) * 8)), CORPUS)
+    ctx = Candidates.of(context, LookupStats())
+    cor = Candidates.of(corpus, LookupStats(prior=(0.9,) * 8), CORPUS)
     merged = merge_candidates(ctx, cor)
     assert merged.trie.tokens == [-1, 1, 4, 5, 6] and merged.trie.parents == [-1, 0, 1, 2, 1]
     assert merged.sources == [0, LOOKUP | CORPUS, LOOKUP, LOOKUP, CORPUS]

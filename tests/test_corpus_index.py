@@ -17,7 +17,6 @@ from eagle3_hf.generation.hybrid import (
     Candidates,
     LookupStats,
     graft,
-    lookup_conditionals,
 )
 from eagle3_hf.generation.tree import HostTree
 
@@ -230,7 +229,7 @@ def test_the_trie_feeds_the_hybrid_trees():
     index = CorpusIndex.build([[4, 5, 6, 7], [4, 5, 6, 8], [4, 5, 6, 7], [1, 5, 9]], vocab_size=10)
     trie = index.lookup([0, 4, 5], CorpusOptions(depth=3))
     assert trie_paths(trie) == [((6,), 3), ((6, 7), 2)] and trie.match == [2, 2, 2]
-    cands = Candidates.of(trie, lookup_conditionals(trie, LookupStats()))
+    cands = Candidates.of(trie, LookupStats())
     row = graft(HostTree([5], [-1], [0.0]), cands, total_tokens=8, device=torch.device("cpu"))
     tree, sources = row.tree, row.sources
     assert tree.tokens.tolist() == [5, 6, 7] and tree.parents.tolist() == [-1, 0, 1] and sources == [0, LOOKUP, LOOKUP]

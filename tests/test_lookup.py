@@ -24,7 +24,6 @@ from eagle3_hf.generation.hybrid import (
     LookupStats,
     best_lookup_nodes,
     graft,
-    lookup_conditionals,
     source_counts,
 )
 from eagle3_hf.generation.tree import DraftTree, HostTree, sample_children
@@ -126,7 +125,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     # lookup: r -> a -> d -> e (one continuation, on a match of 8 tokens)
     trie = build_trie([7, 1, 4, 5, 7], [(1, 8)], depth=3)
     assert trie.tokens == [-1, 1, 4, 5]
-    cands = Candidates.of(trie, lookup_conditionals(trie, LookupStats()))
+    cands = Candidates.of(trie, LookupStats())
     row = graft(draft.host, cands, total_tokens=10, device=torch.device("cpu"))
     tree, sources, match = row.tree, row.sources, row.match[LOOKUP]
     assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5]
@@ -155,7 +154,7 @@ def test_lookup_stats_learn_the_hit_rate():
 
 def test_best_lookup_nodes_are_prefix_closed():
     trie = build_trie([1, 2, 3, 1, 2, 4, 1], [(1, 3), (4, 1)], depth=3)
-    cond = lookup_conditionals(trie, LookupStats())
+    cond = Candidates.of(trie, LookupStats()).cond
     for limit in range(trie.num_nodes):
         chosen = best_lookup_nodes(trie, cond, limit)
         assert len(chosen) <= limit

@@ -17,7 +17,7 @@ continuations. `CorpusIndex` holds them in about 8 bytes per token:
 `continuations` reads what follows a range's occurrences (a sample of at most `max_samples` of them, evenly spread
 over the range, so that a query costs the same on a frequent suffix) and merges them into the `LookupTrie` that the
 context lookup builds (counts of the continuations through each node, their match length), so that
-`hybrid.lookup_conditionals` and `hybrid.graft` take it unchanged. Only continuations seen
+`hybrid.Candidates.of` and `hybrid.graft` take it unchanged. Only continuations seen
 at least `min_count` times are kept: one occurrence says little about what the target writes next.
 
 The array is built by prefix doubling (Manber & Myers 1993) with numpy sorts over int64 keys, stopped once the

@@ -31,7 +31,6 @@ from eagle3_hf.generation.hybrid import (
     CORPUS_PRIOR_RATES,
     Candidates,
     LookupStats,
-    lookup_conditionals,
     merge_candidates,
     observe_nodes,
 )
@@ -107,10 +106,10 @@ class CorpusSource:
         if self.growth is not None and self.growth.index is not None:
             # a continuation seen once is kept: this process's outputs are few, and each is the target's own
             queries.append((self.growth.index, replace(self.options, min_count=1)))
-        merged = Candidates.of(LookupTrie(), [1.0], CORPUS)  # the root alone (an online corpus not built yet)
+        merged = Candidates.of(LookupTrie(), self.stats, CORPUS)  # the root alone (an online corpus not built yet)
         for index, options in queries:
             trie = index.lookup(recent, options)
-            found = Candidates.of(trie, lookup_conditionals(trie, self.stats), CORPUS)
+            found = Candidates.of(trie, self.stats, CORPUS)
             merged = found if merged.trie.num_nodes == 1 else merge_candidates(merged, found)
         return merged
 

@@ -50,7 +50,6 @@ __all__ = [
     "best_lookup_nodes",
     "graft",
     "graft_sampled",
-    "lookup_conditionals",
     "merge_candidates",
     "observe_nodes",
     "source_counts",
@@ -128,7 +127,7 @@ class LookupState:
             self.index = ContextIndex(max_ngram=self.options.max_ngram)
         self.index.extend(tokens[len(self.index) :])
         trie = self.index.lookup(self.options.depth, self.options.branches)
-        return Candidates.of(trie, lookup_conditionals(trie, self.stats))
+        return Candidates.of(trie, self.stats)
 
 
 def observe_nodes(stats: LookupStats, parents: list[int], match: list[int], path: list[int]) -> None:
@@ -137,17 +136,6 @@ def observe_nodes(stats: LookupStats, parents: list[int], match: list[int], path
     for node in range(1, len(parents)):
         if match[node] > 0 and parents[node] in on_path:
             stats.observe(match[node], node in on_path)
-
-
-def lookup_conditionals(trie: LookupTrie, stats: LookupStats) -> list[float]:
-    """Per trie node: P(accepted | parent accepted) = the hit rate at its effective match length (match + depth - 1)
-    times its share of the parent's continuations. The root's is 1."""
-    depths = trie.depths()
-    out = [1.0]
-    for i in range(1, trie.num_nodes):
-        share = trie.counts[i] / max(trie.counts[trie.parents[i]], 1)
-        out.append(stats.rate(trie.match[i] + depths[i] - 1) * share)
-    return out
 
 
 @dataclass
@@ -161,10 +149,16 @@ class Candidates:
     match: dict[int, list[int]]  # per lookup source (LOOKUP, CORPUS): each node's effective match there
 
     @classmethod
-    def of(cls, trie: LookupTrie, cond: list[float], source: int = LOOKUP) -> Candidates:
-        """One source's trie (`source`: LOOKUP or CORPUS) with its `lookup_conditionals`."""
+    def of(cls, trie: LookupTrie, stats: LookupStats, source: int = LOOKUP) -> Candidates:
+        """One source's trie (`source`: LOOKUP or CORPUS), each node estimated P(accepted | parent accepted) = the
+        source's hit rate (`stats`) at its effective match length (match + depth - 1) times its share of the
+        parent's continuations (the root's is 1)."""
         depths = trie.depths()
         effective = [0] + [trie.match[i] + depths[i] - 1 for i in range(1, trie.num_nodes)]
+        cond = [1.0] + [
+            stats.rate(effective[i]) * trie.counts[i] / max(trie.counts[trie.parents[i]], 1)
+            for i in range(1, trie.num_nodes)
+        ]
         match = {s: effective if s == source else [0] * trie.num_nodes for s in (LOOKUP, CORPUS)}
         return cls(trie, cond, [0] + [source] * (trie.num_nodes - 1), match)
 

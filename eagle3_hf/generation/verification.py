@@ -10,8 +10,7 @@ order are its siblings in draw order.
   exactly as the target's processed distribution, provided the tree was built as sampled_trees.py builds it (each
   node's children drawn without replacement from ``draft_probs[node]``, all drawn children kept).
 
-In both cases the new tokens of the cycle are ``tokens[path[1:]] + [bonus_token]`` and the acceptance length
-tau is ``len(path)`` (accepted drafts + the bonus).
+In both cases the new tokens of the cycle are ``tokens[path[1:]] + [bonus_token]``.
 """
 
 from __future__ import annotations
