@@ -322,12 +322,10 @@ def record_cycle(
     cost.verify.observe(rows * width, verify_s)  # cost.rows: set by `propose` for this cycle's rows
     from_draft = 0
     for row, tree, result, count in zip(run.active, proposal.rows, results, emitted):
-        nodes, sources = tree.tree.num_nodes, tree.node_sources()
-        run.tree_sizes[row].append(nodes)
+        sources = tree.node_sources()
+        run.tree_sizes[row].append(tree.tree.num_nodes)
         run.accept_lengths[row].append(count)
-        accepted = len(result.path) - 1
-        counts = source_counts(sources, result.path, min(accepted, count)) if nodes > 1 else (0, 0, 0, 0)
-        run.accept_sources[row].append(counts)
+        run.accept_sources[row].append(source_counts(sources, result.path, count))
         from_draft += sum(1 for node in result.path[1:] if sources[node] & DRAFT)
     if width > 1:
         if predicted is None:

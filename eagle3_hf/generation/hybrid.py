@@ -207,12 +207,11 @@ class RowTree:
         return self.sources if self.sources is not None else [0] + [DRAFT] * (self.tree.num_nodes - 1)
 
     def prune(self, n: int) -> RowTree:
-        """The root and the row's `n` best nodes (by score; a parent always kept before its child): the cost model's
-        choice of size for a greedy tree."""
+        """The root and the row's `n` best nodes (by score; a parent always kept before its child), from the tree's
+        host lists (the loop reads them before sizing): the cost model's choice of size for a greedy tree."""
         if n >= self.tree.num_nodes - 1:
             return self
-        host = self.tree.host if self.tree.host is not None else DraftTree.with_hosts([self.tree])[0][0].host
-        return _cut(host, n + 1, self.tree.tokens.device, self.sources, self.match)
+        return _cut(self.tree.host, n + 1, self.tree.tokens.device, self.sources, self.match)
 
 
 def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.device) -> RowTree:
@@ -319,11 +318,11 @@ def best_lookup_nodes(trie: LookupTrie, cond: list[float], limit: int, min_estim
     return sorted(i for i in chosen if trie.parents[i] == 0 or trie.parents[i] in chosen)
 
 
-def source_counts(sources: list[int], path: list[int], emitted_drafts: int) -> tuple[int, int, int, int]:
-    """(draft, context, corpus, several): where the first `emitted_drafts` accepted nodes of `path` (root excluded)
-    came from -- one source alone, or several (a node that two or three sources proposed)."""
+def source_counts(sources: list[int], path: list[int], emitted: int) -> tuple[int, int, int, int]:
+    """(draft, context, corpus, several): where the accepted nodes of `path` (root excluded) among the `emitted`
+    tokens came from -- one source alone, or several (a node that two or three sources proposed)."""
     counts = [0, 0, 0, 0]
-    for node in path[1 : 1 + emitted_drafts]:
+    for node in path[1 : 1 + emitted]:
         counts[{DRAFT: 0, LOOKUP: 1, CORPUS: 2}.get(sources[node], 3)] += 1
     return counts[0], counts[1], counts[2], counts[3]
 
