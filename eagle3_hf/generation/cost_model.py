@@ -1,20 +1,19 @@
 """Sizing each decoding cycle from measured costs and the draft's own confidence.
 
-EAGLE-2 observed that a draft's cumulative path probability estimates how likely a tree node is
-to be accepted. With verify costs measured on this device, that turns tree sizing into a small
-optimisation: verify the n best nodes maximising
+EAGLE-2 observed that a draft's cumulative path probability estimates how likely a tree node is to be accepted. With
+verify costs measured on this device, that turns tree sizing into a small optimisation: verify the n best nodes
+maximising
 
     (1 + calibration * sum_{i<n} p_i) / (draft_cost + verify_cost(n + 1))
 
 where draft_cost is what the cycle's drafting actually took; a tree is started only when verifying some of the
-draft's best next tokens beats a plain step (`worth_drafting`), and grown a level only when that level's best
-node pays for its draft step (`worth_deeper`). The
-calibration factor (measured accepted / predicted accepted) corrects drafts that are over- or
-under-confident. Consulting the draft costs a draft step even when it then declines, so a poor draft would still
-cost a few percent: each consultation is scored by the tokens it gained over plain decoding in the same time
-(negative for a declined one), and while the recent consultations together lose, the draft is not even consulted
-for a growing number of tokens (exponential backoff). A useful draft that declines at unsure tokens keeps being
-consulted, because its drafted cycles win more than its declines cost.
+draft's best next tokens beats a plain step (`worth_drafting`), and grown a level only when that level's best node
+pays for its draft step (`worth_deeper`). The calibration factor (measured accepted / predicted accepted) corrects
+drafts that are over- or under-confident. Consulting the draft costs a draft step even when it then declines, so a
+poor draft would still cost a few percent: each consultation is scored by the tokens it gained over plain decoding
+in the same time (negative for a declined one), and while the recent consultations together lose, the draft is not
+even consulted for a growing number of tokens (exponential backoff). A useful draft that declines at unsure tokens
+keeps being consulted, because its drafted cycles win more than its declines cost.
 """
 
 from __future__ import annotations

@@ -22,11 +22,8 @@ __all__ = ["DraftKV", "DraftKVAttention", "draft_forward"]
 
 
 class DraftKV:
-    """Keys and values of the draft's layers, `[num_layers, rows, kv_heads, capacity, head_dim]`, grown by doubling.
-
-    Slots `[0, length)` hold verified columns; anything after them is scratch space for the trees being drafted.
-    Every layer uses the same slots for the same positions, so `length` and `capacity` are shared.
-    """
+    """Keys and values of the draft's layers, `[num_layers, rows, kv_heads, capacity, head_dim]`, grown by doubling:
+    slots `[0, length)` hold verified columns, the rest is the trees' scratch space (see the module docstring)."""
 
     def __init__(
         self,
@@ -119,8 +116,7 @@ def _attend(
 
 class DraftKVAttention:
     """The draft's attention at decoding time (a `DraftAttention`): each layer writes its keys/values into `kv` at
-    slots ``[slot, slot + S)`` and attends over slots ``[0, slot + S)`` under the additive mask the forward was given
-    (``[A, S, slot + S]``, ``[S, slot + S]`` the same for every row, or None to see every slot)."""
+    slots ``[slot, slot + S)`` and attends over ``[0, slot + S)`` under the forward's mask (see `draft_forward`)."""
 
     __slots__ = ("kv", "slot")
 
