@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import _train_tiny_example
 
-from eagle3_hf import Eagle3DraftModel
+from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.features import online_features
 from eagle3_hf.training.trainer import Eagle3DataCollator, install_draft_vocab
@@ -54,7 +54,7 @@ def trained():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return target, draft.eval(), rows
+    return target, bind_target(draft.eval(), target), rows
 
 
 def test_step_hits_count_what_the_evaluation_counts(trained):
