@@ -263,12 +263,11 @@ def test_draft_tree_container():
     tree = DraftTree(
         tokens=torch.tensor([5, 6, 7]),
         parents=torch.tensor([-1, 0, 0]),
-        depths=torch.tensor([0, 1, 1]),
         scores=torch.tensor([0.0, -0.1, -0.2]),
     )
     assert tree.num_nodes == 3 and tree.draft_probs is None
     with pytest.raises(ValueError, match="tokens"):
-        DraftTree(tokens=torch.tensor([5]), parents=tree.parents, depths=tree.depths, scores=tree.scores)
+        DraftTree(tokens=torch.tensor([5]), parents=tree.parents, scores=tree.scores)
 
 
 @pytest.mark.parametrize(

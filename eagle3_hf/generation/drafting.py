@@ -196,15 +196,10 @@ def build_greedy_trees(
         frontier_hidden = feedback.gather(1, parent_rows[:, :, None].expand(-1, -1, width))
         ancestors = ancestors.gather(1, parent_rows[:, :, None].expand(-1, -1, ancestors.shape[2]))
     scores, ids, parents = torch.cat(all_scores, 1), torch.cat(all_ids, 1), torch.cat(all_parents, 1)  # [A, N]
-    depths = torch.cat([torch.full((s.shape[1],), d + 1, device=device) for d, s in enumerate(all_scores)])  # [N]
     kept, tree_parents = _rerank_rows(scores, parents, budget.total_tokens)  # [A, M], [A, 1 + M]
     tokens = torch.cat([roots[:, None].to(ids.dtype), draft.draft_to_target_ids(ids.gather(1, kept))], dim=1)
     kept_scores = torch.cat([torch.zeros(rows, 1, device=device), scores.gather(1, kept)], dim=1)
-    kept_depths = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), depths[kept]], dim=1)
-    return [
-        DraftTree(tokens=tokens[row], parents=tree_parents[row], depths=kept_depths[row], scores=kept_scores[row])
-        for row in range(rows)
-    ]
+    return [DraftTree(tokens=tokens[row], parents=tree_parents[row], scores=kept_scores[row]) for row in range(rows)]
 
 
 def _rerank_rows(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

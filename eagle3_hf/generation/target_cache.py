@@ -123,14 +123,13 @@ def pad_trees(trees: list[DraftTree], next_position: torch.Tensor) -> PaddedTree
     rows = len(trees)
     device = next_position.device
     tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
-    depths = torch.zeros(rows, width, dtype=torch.long, device=device)
     mask = torch.eye(width, dtype=torch.bool, device=device).repeat(rows, 1, 1)
     for row, tree in enumerate(trees):
         n = tree.num_nodes
         tokens[row, :n] = tree.tokens
-        depths[row, :n] = tree.depths
         if n > 1:
             mask[row, :n, :n] = tree_attention_mask(tree.parents, check=False)  # the loop's own trees
+    depths = mask.sum(dim=2) - 1  # [A, T]: a node's ancestors; a dummy node sees itself alone (the root's position)
     return PaddedTrees(tokens=tokens, positions=next_position[:, None] + depths, mask=mask)
 
 

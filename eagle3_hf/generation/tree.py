@@ -65,7 +65,6 @@ class DraftTree:
     Attributes:
         tokens: ``LongTensor [T]``, target-vocabulary ids; ``tokens[0]`` is the root (last verified token).
         parents: ``LongTensor [T]``, ``parents[0] == -1`` and ``parents[i] < i``.
-        depths: ``LongTensor [T]``, root at depth 0.
         scores: ``FloatTensor [T]``, cumulative draft log-prob of the path to each node (root 0.0).
         draft_probs: optional ``FloatTensor [T, V]``; row ``i`` is the draft distribution over the target
             vocabulary from which node ``i``'s children were drawn (sampled trees only; rows of unexpanded
@@ -76,7 +75,6 @@ class DraftTree:
 
     tokens: torch.Tensor
     parents: torch.Tensor
-    depths: torch.Tensor
     scores: torch.Tensor
     draft_probs: torch.Tensor | None = None
     host: HostTree | None = field(default=None, compare=False, repr=False)
@@ -84,13 +82,9 @@ class DraftTree:
     @classmethod
     def from_lists(cls, host: HostTree, device: torch.device, draft_probs: torch.Tensor | None = None) -> DraftTree:
         """A tree built on the host: its tensors are copied to `device` and nothing is read back."""
-        depths = [0] * len(host.parents)
-        for node in range(1, len(host.parents)):
-            depths[node] = depths[host.parents[node]] + 1
         return cls(
             tokens=torch.tensor(host.tokens, device=device),
             parents=torch.tensor(host.parents, device=device),
-            depths=torch.tensor(depths, device=device),
             scores=torch.tensor(host.scores, device=device),
             draft_probs=draft_probs,
             host=host,
@@ -110,7 +104,7 @@ class DraftTree:
 
     def __post_init__(self):
         num_nodes = self.parents.shape[0] if self.parents.dim() == 1 else -1
-        for name in ("tokens", "depths", "scores"):
+        for name in ("tokens", "scores"):
             value = getattr(self, name)
             if value.dim() != 1 or value.shape[0] != num_nodes:
                 raise ValueError(
