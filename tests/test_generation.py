@@ -268,8 +268,10 @@ def test_tree_scores_see_each_nodes_own_path():
         assert torch.equal(scores.processed(node), expected), f"node {node}"
         assert scores.greedy_choice(node) == int(expected.argmax())
     assert not torch.equal(scores.processed(3), processors(prefix, logits[3:4].clone())[0])  # the path does matter
-    assert torch.equal(scores.processed_rows([0, 3]), torch.stack([scores.processed(0), scores.processed(3)]))
-    assert torch.equal(scores.raw_rows([0, 3]), logits[[0, 3]])
+    processed, raw = scores.path_rows([0, 3], processed=True, raw=True)
+    assert torch.equal(processed, torch.stack([scores.processed(0), scores.processed(3)]))
+    assert torch.equal(raw, logits[[0, 3]])
+    assert scores.path_rows([0, 3], processed=False, raw=False) == (None, None)
     bf16 = torch.randint(-3, 3, (7, V), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # with ties
     plain = NodeScores(bf16, tree, prefix, LogitsProcessorList())
     assert torch.equal(plain.processed(2), bf16[2].float()) and plain.processed(2).dtype == torch.float32

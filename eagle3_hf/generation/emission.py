@@ -9,7 +9,7 @@ A single row stops at once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 __all__ = ["emit", "retire_rows", "score_steps", "sequence_length", "sequences", "stream"]
 
 
-def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None, scores: list[Any]) -> list[int]:
+def emit(
+    run: DecodeRun, new_tokens: list[list[int]], scores: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+) -> list[int]:
     """Append each active row's tokens, checking its stopping criteria after each (as plain generate() checks every
     row after every token). A row whose criteria fire keeps no later token when finished rows are padded (and a
     single row never does); otherwise it runs on (plain generate() keeps its real tokens) without further checks.
-    Returns how many tokens each row appended. `scores`: per row, the cycle's `NodeScores` (the rows of the output's
-    `scores` / `logits` are those of the accepted path's nodes); `results` None for the prefill's token.
+    Returns how many tokens each row appended. `scores`: per row, the processed scores and raw logits of its new
+    tokens' steps (`[n, V]` each, read only where the output asks for them; `NodeScores.path_rows`).
 
     The criteria are called on every new token's prefix first and their flags read together: one read per cycle,
     whatever the rows and tokens."""
@@ -38,18 +40,15 @@ def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None,
     if rows:
         index = (torch.tensor(rows, device=run.device), torch.tensor(columns, device=run.device))
         run.out[index] = torch.tensor([t for tokens in new_tokens for t in tokens], device=run.device)
-    rows_scores, flags = [], []
-    for i, (row, tokens) in enumerate(zip(run.active, new_tokens)):
-        nodes = results[i].path if results is not None else [0]
-        processed = scores[i].processed_rows(nodes) if run.output_scores else None
-        rows_scores.append((processed, scores[i].raw_rows(nodes) if run.output_logits else None))
+    flags = []
+    for (row, tokens), (processed, _) in zip(zip(run.active, new_tokens), scores):
         if run.stop_lengths[row] is None:
             for k in range(len(tokens)):
                 ids = run.out[row : row + 1, : run.lengths[row] + k + 1]
                 flags.append(run.stopping_criteria(ids, processed[k : k + 1] if run.output_scores else None))
     fired = iter(torch.cat(flags).tolist() if flags else [])
     emitted = []
-    for (row, tokens), (processed, raw) in zip(zip(run.active, new_tokens), rows_scores):
+    for (row, tokens), (processed, raw) in zip(zip(run.active, new_tokens), scores):
         count = len(tokens)
         if run.stop_lengths[row] is None:
             hits = [next(fired) for _ in tokens]
@@ -65,7 +64,7 @@ def emit(run: DecodeRun, new_tokens: list[list[int]], results: list[Any] | None,
         run.tokens[row].extend(tokens[:count])
         run.lengths[row] += count
         emitted.append(count)
-    if run.batch_size == 1 and results is not None and emitted[0] < given:
+    if run.batch_size == 1 and emitted[0] < given:  # (never for the prefill's one token)
         # a criterion cut the cycle short: keep the cache in step with the output (every token but the last)
         run.columns.crop(run.cache, run.cache.get_seq_length() - (given - emitted[0]))
     stream(run)

@@ -142,7 +142,7 @@ def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
         new_tokens = update(run, proposal, results, features, start)
         verify_s = time.perf_counter() - t0
         run.verify_time += verify_s
-        emitted = emit(run, new_tokens, results, scores)
+        emitted = emit(run, new_tokens, scores)
         record_cycle(run, proposal, results, emitted, predicted, draft_s, verify_s)
         if run.observer is not None:
             run.observer(
@@ -184,7 +184,7 @@ def prefill(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tenso
     run.columns = TargetColumns.from_prompt(mask)
     _sync(run.device)
     run.prefill_time = time.perf_counter() - t0
-    emit(run, [[token] for token in first.tolist()], None, [_Scores(processed[i], raw[i]) for i in range(len(first))])
+    emit(run, [[token] for token in first.tolist()], [(p[None], r[None]) for p, r in zip(processed, raw)])
 
 
 def propose(run: DecodeRun) -> tuple[Proposal, float | None, float]:
@@ -245,9 +245,11 @@ def _target_forward(run: DecodeRun, **inputs: Any) -> tuple[torch.Tensor, torch.
     return out.logits, select_target_features(out.hidden_states, run.layer_ids) if out.hidden_states else None
 
 
-def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[list[AcceptResult], list[NodeScores]]:
-    """Each row's longest valid path (greedy match, or lossless stochastic acceptance) and bonus token, its scores
-    processed along each visited node's own path.
+def accept(
+    run: DecodeRun, rows: list[RowTree], logits: torch.Tensor
+) -> tuple[list[AcceptResult], list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """Each row's longest valid path (greedy match, or lossless stochastic acceptance) and bonus token, and the
+    path's scores the output keeps (`NodeScores.path_rows`), processed along each visited node's own path.
 
     Every row's tree is read on the host at once (`DraftTree.with_hosts`; trees built from lists need no read).
     Greedy where reads cost a synchronisation (node_scores.reads_are_free), the target's choice at every node of
@@ -266,7 +268,7 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
         proposal.tree = node_scores.tree = tree
     if eager and not unprocessed:  # processors read each node's path: the trees first, then one read of the choices
         choices = read_on_host([node_scores.all_choices() for node_scores in scores])
-    results = []
+    results, kept = [], []
     for i, (tree, proposal, node_scores) in enumerate(zip(trees, rows, scores)):
         if eager:
             node_scores.choices = [int(c) for c in choices[i]]
@@ -282,7 +284,8 @@ def accept(run: DecodeRun, rows: list[RowTree], logits: torch.Tensor) -> tuple[l
         else:
             result = greedy_accept(tree.host.tokens, children_lists(tree.host.parents), node_scores.greedy_choice)
         results.append(result)
-    return results, scores
+        kept.append(node_scores.path_rows(result.path, run.output_scores, run.output_logits))
+    return results, kept
 
 
 def update(
@@ -334,20 +337,6 @@ def record_cycle(
     if proposal.consulted and run.adaptive_tree:
         spent = draft_s + (verify_s if width > 1 else 0.0)
         cost.after_consultation((from_draft + rows if width > 1 else 0) - spent * cost.plain_rate())
-
-
-@dataclass
-class _Scores:
-    """The prefill's scores of one row, as emission reads a cycle's `NodeScores`."""
-
-    processed: torch.Tensor  # [V]
-    raw: torch.Tensor  # [V]
-
-    def processed_rows(self, nodes: list[int]) -> torch.Tensor:
-        return self.processed[None]
-
-    def raw_rows(self, nodes: list[int]) -> torch.Tensor:
-        return self.raw[None]
 
 
 def _sync(device: torch.device) -> None:

@@ -87,8 +87,8 @@ class NodeScores:
         """The target's sampling distribution after `node`, `[V]` (the processors include any temperature)."""
         return torch.softmax(self.processed(node), dim=-1)
 
-    def processed_rows(self, nodes: list[int]) -> torch.Tensor:
-        return torch.stack([self.processed(n) for n in nodes])
-
-    def raw_rows(self, nodes: list[int]) -> torch.Tensor:
-        return self.logits[torch.tensor(nodes, device=self.logits.device)].float()
+    def path_rows(self, path: list[int], processed: bool, raw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The accepted `path`'s processed scores and raw fp32 logits, `[n, V]` each (None where not asked for)."""
+        processed_rows = torch.stack([self.processed(n) for n in path]) if processed else None
+        raw_rows = self.logits[torch.tensor(path, device=self.logits.device)].float() if raw else None
+        return processed_rows, raw_rows
