@@ -179,15 +179,14 @@ def keep_paths(
     index = torch.tensor([path + [0] * (width - len(path)) for path in paths], device=device)  # one copy to the device
     lengths = torch.tensor([len(path) for path in paths], device=device)
     keep = torch.arange(width, device=device)[None] < lengths[:, None]  # [A, W]
-    if any(path != list(range(len(path))) for path in paths):
-        for layer in _layers(cache):
-            for name in ("keys", "values"):
-                tensor = getattr(layer, name)
-                block = tensor[:, :, start:]
-                gather = index[:, None, :, None].expand(-1, block.shape[1], -1, block.shape[3])
-                tensor[:, :, start : start + width] = block.gather(2, gather)
+    moved = any(path != list(range(len(path))) for path in paths)  # else every path is in place already
     for layer in _layers(cache):
-        layer.keys, layer.values = layer.keys[:, :, : start + width], layer.values[:, :, : start + width]
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            if moved:
+                gather = index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                tensor[:, :, start : start + width] = tensor[:, :, start:].gather(2, gather)
+            setattr(layer, name, tensor[:, :, : start + width])
     steps = torch.arange(width, device=device)
     columns.valid = torch.cat([columns.valid, keep], dim=1)
     columns.positions = torch.cat([columns.positions, columns.next_position[:, None] + steps[None]], dim=1)
