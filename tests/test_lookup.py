@@ -216,7 +216,7 @@ def test_sampling_with_point_masses_and_removed_duplicates_is_lossless():
         result = sample_accept(
             torch.tensor(tokens),
             torch.tensor(parents),
-            torch.stack(rows),
+            torch.stack(rows).__getitem__,
             torch.stack(probs),
             generator=gen,
             point_mass=point,
@@ -238,7 +238,7 @@ def test_sample_accept_checks_the_mixed_tree():
         sample_accept(
             torch.tensor([0, 1, 2]),
             torch.tensor([-1, 0, 0]),
-            torch.full((3, 4), 0.25),
+            torch.full((3, 4), 0.25).__getitem__,
             torch.full((3, 4), 0.25),
             point_mass=[False, False, True],
         )
@@ -246,7 +246,7 @@ def test_sample_accept_checks_the_mixed_tree():
         sample_accept(
             torch.tensor([0, 1, 2]),
             torch.tensor([-1, 0, 0]),
-            torch.full((3, 4), 0.25),
+            torch.full((3, 4), 0.25).__getitem__,
             torch.full((3, 4), 0.25),
             point_mass=[False, True, False],
             draws={0: [3]},

@@ -100,8 +100,8 @@ def test_rrs_step_follows_the_stages():
         for seq, _ in _without_replacement_sequences(q, 2):
             stages = list(_rrs_stages(p, q, seq))
             for _ in range(5):
-                uniforms = torch.rand(2, generator=generator, dtype=torch.float64)
-                expected = next((i for i in range(2) if float(uniforms[i]) < stages[i][0]), None)
+                uniforms = torch.rand(2, generator=generator, dtype=torch.float64).tolist()
+                expected = next((i for i in range(2) if uniforms[i] < stages[i][0]), None)
                 index, residual = rrs_step(p, q, seq, uniforms)
                 assert index == expected
                 torch.testing.assert_close(residual, stages[2 if index is None else index][1])
@@ -190,7 +190,7 @@ def test_sample_accept_one_hot_target_matches_greedy():
         target_probs = torch.nn.functional.one_hot(target_next, 20).double()
         draft_probs = torch.rand(7, 20, generator=generator, dtype=torch.float64)
         draft_probs /= draft_probs.sum(-1, keepdim=True)
-        sampled = sample_accept(TOKENS, PARENTS, target_probs, draft_probs, generator)
+        sampled = sample_accept(TOKENS, PARENTS, target_probs.__getitem__, draft_probs, generator)
         assert sampled == greedy_accept(TOKENS.tolist(), CHILDREN, target_next.tolist().__getitem__), trial
 
 
@@ -206,12 +206,14 @@ def test_sample_accept_reproducible_and_lazy():
         return target[node]
 
     results = [sample_accept(tokens, parents, target_fn, draft, torch.Generator().manual_seed(s)) for s in range(20)]
-    again = [sample_accept(tokens, parents, target, draft, torch.Generator().manual_seed(s)) for s in range(20)]
+    again = [
+        sample_accept(tokens, parents, target.__getitem__, draft, torch.Generator().manual_seed(s)) for s in range(20)
+    ]
     assert results == again
     # Only the nodes on the accepted paths are evaluated.
     assert sorted(visited) == sorted(node for r in results for node in r.path)
 
 
 def test_bad_inputs_raise():
-    with pytest.raises(ValueError, match="target_probs_fn"):
-        sample_accept(TOKENS, PARENTS, torch.zeros(20), torch.zeros(7, 20))
+    with pytest.raises(ValueError, match="parents"):
+        sample_accept(TOKENS, PARENTS[:-1], torch.zeros(7, 20).__getitem__, torch.zeros(7, 20))

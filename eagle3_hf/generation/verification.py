@@ -24,8 +24,6 @@ from .tree import children_lists
 
 __all__ = ["AcceptResult", "greedy_accept", "rrs_step", "sample_accept"]
 
-ProbsSource = torch.Tensor | Callable[[int], torch.Tensor]
-
 
 @dataclass(frozen=True)
 class AcceptResult:
@@ -121,7 +119,7 @@ def rrs_step(
     p: torch.Tensor,
     q: torch.Tensor,
     drafted: Sequence[int],
-    uniforms: torch.Tensor | Sequence[float],
+    uniforms: Sequence[float],
     point_masses: Sequence[int] = (),
 ) -> tuple[int | None, torch.Tensor]:
     """One node of recursive rejection sampling over siblings drawn without replacement.
@@ -155,24 +153,12 @@ def rrs_step(
             raise ValueError(f"`{name}` tokens must be in [0, {vocab_size}), got {list(tokens)}")
         if len(set(int(x) for x in tokens)) != len(tokens):
             raise ValueError(f"`{name}` tokens must be distinct, got {list(tokens)}")
-    uniform_list = uniforms.tolist() if isinstance(uniforms, torch.Tensor) else list(uniforms)
     stages = _rrs_stages(p, q, [int(x) for x in drafted], [int(x) for x in point_masses])
-    for index, (accept, p_i) in enumerate(stages):
-        if index == total:
-            return None, p_i
-        if uniform_list[index] < accept:
+    # zip reads a uniform before its stage: when they run out, the residual's stage is still there to read
+    for index, (uniform, (accept, p_i)) in enumerate(zip(uniforms, stages)):
+        if uniform < accept:
             return index, p_i
-    raise RuntimeError("unreachable: _rrs_stages always yields one stage per proposal, plus the residual")
-
-
-def _as_row_fn(source: ProbsSource, name: str) -> Callable[[int], torch.Tensor]:
-    if isinstance(source, torch.Tensor):
-        if source.dim() != 2:
-            raise ValueError(f"`{name}` as a tensor must be [T, V], got shape {tuple(source.shape)}")
-        return lambda node: source[node]
-    if callable(source):
-        return source
-    raise ValueError(f"`{name}` must be a [T, V] tensor or a callable node -> [V], got {type(source).__name__}")
+    return None, next(stages)[1]
 
 
 def _sample(dist: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -185,8 +171,8 @@ def _sample(dist: torch.Tensor, generator: torch.Generator | None) -> int:
 def sample_accept(
     tokens: torch.Tensor,
     parents: torch.Tensor,
-    target_probs_fn: ProbsSource,
-    draft_probs: ProbsSource | None,
+    target_probs_fn: Callable[[int], torch.Tensor],
+    draft_probs: torch.Tensor | None,
     generator: torch.Generator | None = None,
     point_mass: torch.Tensor | Sequence[bool] | None = None,
     draws: dict[int, list[int]] | None = None,
@@ -198,10 +184,10 @@ def sample_accept(
         parents: ``[T]`` parent indices; node ``i``'s draft children in index order must be draws without
             replacement, in draw order, from ``draft_probs[i]``.
         target_probs_fn: ``node -> [V]`` the target's processed distribution after ``node`` (called only for the
-            nodes visited), or a ``[T, V]`` tensor.
-        draft_probs: ``[T, V]`` tensor, or ``node -> [V]``: the draft distribution over the target vocabulary
-            (zeros outside the draft vocabulary) from which ``node``'s children were drawn. Only read for visited
-            nodes that have draft children; None for a tree without any.
+            nodes visited).
+        draft_probs: ``[T, V]`` the draft distribution over the target vocabulary (zeros outside the draft
+            vocabulary) from which each node's children were drawn. Only read for visited nodes that have draft
+            children; None for a tree without any.
         generator: RNG on the distributions' device; a fixed seed reproduces the result.
         point_mass: optional ``[T]`` bools: node ``i`` is a deterministic proposal (a context lookup's token)
             rather than a draw. A node's point-mass children must come before its draft children in index order.
@@ -229,8 +215,6 @@ def sample_accept(
     """
     if tokens.dim() != 1 or parents.shape != tokens.shape:
         raise ValueError(f"expected tokens [T] and parents [T], got {tuple(tokens.shape)} and {tuple(parents.shape)}")
-    target_row = _as_row_fn(target_probs_fn, "target_probs_fn")
-    draft_row = None if draft_probs is None else _as_row_fn(draft_probs, "draft_probs")
     children = children_lists(parents)
     token_list = tokens.tolist()
     points = [False] * len(token_list) if point_mass is None else [bool(b) for b in point_mass]
@@ -240,7 +224,7 @@ def sample_accept(
     path = [0]
     node = 0
     while True:
-        p = target_row(node)
+        p = target_probs_fn(node)
         kids = children[node]
         if not kids:
             return AcceptResult(path=path, bonus_token=_sample(p, generator))
@@ -249,10 +233,10 @@ def sample_accept(
         if fixed and drawn and max(fixed) > min(drawn):
             raise ValueError(f"node {node}: point-mass children {fixed} must come before the draft children {drawn}")
         sequence = _draw_sequence(node, [token_list[c] for c in drawn], [token_list[c] for c in fixed], draws)
-        uniforms = torch.rand(len(fixed) + len(sequence), generator=generator, device=p.device)
-        if sequence and draft_row is None:
+        uniforms = torch.rand(len(fixed) + len(sequence), generator=generator, device=p.device).tolist()
+        if sequence and draft_probs is None:
             raise ValueError(f"node {node} has draft children but no `draft_probs` was given")
-        q = draft_row(node) if sequence else torch.zeros_like(p)
+        q = draft_probs[node] if sequence else torch.zeros_like(p)
         accepted, residual = rrs_step(p, q, sequence, uniforms, point_masses=[token_list[c] for c in fixed])
         if accepted is None:
             return AcceptResult(path=path, bonus_token=_sample(residual, generator))
