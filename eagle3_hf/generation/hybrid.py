@@ -166,29 +166,35 @@ class Candidates:
 def merge_candidates(first: Candidates, second: Candidates) -> Candidates:
     """`second`'s nodes merged into `first`'s (a node with the same token under the same parent becomes one node of
     both sources, with the larger estimate); `first`'s nodes keep their indices, so parents still come first."""
-    trie = LookupTrie(
-        list(first.trie.tokens), list(first.trie.parents), list(first.trie.counts), list(first.trie.match)
-    )
-    out = Candidates(trie, list(first.cond), list(first.sources), {s: list(m) for s, m in first.match.items()})
-    child_of = {(trie.parents[i], trie.tokens[i]): i for i in range(1, trie.num_nodes)}
-    mapped = [0] * second.trie.num_nodes
+    tokens, parents = list(first.trie.tokens), list(first.trie.parents)
+    mapped = _map_nodes(tokens, parents, second.trie)
+    added = [0] * (len(tokens) - first.trie.num_nodes)
+    trie = LookupTrie(tokens, parents, first.trie.counts + added, first.trie.match + added)
+    match = {source: values + added for source, values in first.match.items()}
+    out = Candidates(trie, first.cond + [0.0] * len(added), first.sources + added, match)
     for i in range(1, second.trie.num_nodes):
-        parent, token = mapped[second.trie.parents[i]], second.trie.tokens[i]
-        node = child_of.get((parent, token))
-        if node is None:
-            node = child_of[(parent, token)] = trie.num_nodes
-            trie.tokens.append(token)
-            trie.parents.append(parent)
-            out.cond.append(0.0)
-            for values in (trie.counts, trie.match, out.sources, *out.match.values()):
-                values.append(0)
+        node = mapped[i]
         out.cond[node] = max(out.cond[node], second.cond[i])
         out.sources[node] |= second.sources[i]
         for source, values in out.match.items():
             values[node] = max(values[node], second.match[source][i])
         trie.match[node] = max(trie.match[node], second.trie.match[i])
-        mapped[i] = node
     return out
+
+
+def _map_nodes(tokens: list[int], parents: list[int], trie: LookupTrie) -> list[int]:
+    """Per node of `trie`, the node of the tree (`tokens`, `parents`) it merges into: the one with its token under
+    the node its parent maps to, appended to the tree's lists when there is none yet."""
+    child_of = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    mapped = [0] * trie.num_nodes
+    for i in range(1, trie.num_nodes):
+        key = (mapped[trie.parents[i]], trie.tokens[i])
+        if key not in child_of:
+            child_of[key] = len(tokens)
+            tokens.append(trie.tokens[i])
+            parents.append(key[0])
+        mapped[i] = child_of[key]
+    return mapped
 
 
 @dataclass
@@ -217,30 +223,18 @@ class RowTree:
 def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.device) -> RowTree:
     """Merge the candidates' trie into a greedy draft tree read on the host (see the module docstring; a lookup-only
     tree grafts into its root alone); keep the best `total_tokens` nodes."""
-    trie, cond = cands.trie, cands.cond
-    tokens, parents, scores = list(host.tokens), list(host.parents), list(host.scores)
-    sources = [0] + [DRAFT] * (len(tokens) - 1)
+    trie, drafted = cands.trie, len(host.tokens)
+    tokens, parents = list(host.tokens), list(host.parents)
+    mapped = _map_nodes(tokens, parents, trie)
+    scores = list(host.scores) + [-math.inf] * (len(tokens) - drafted)
+    sources = [0] + [DRAFT] * (drafted - 1) + [0] * (len(tokens) - drafted)
     match = {source: [0] * len(tokens) for source in cands.match}
-    child_of = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
-    mapped = [0] * trie.num_nodes  # trie node -> tree node
     for i in range(1, trie.num_nodes):
-        parent = mapped[trie.parents[i]]
-        score = scores[parent] + math.log(max(cond[i], 1e-12))
-        node = child_of.get((parent, trie.tokens[i]))
-        if node is None:
-            node = len(tokens)
-            tokens.append(trie.tokens[i])
-            parents.append(parent)
-            scores.append(score)
-            for values in (sources, *match.values()):
-                values.append(0)
-            child_of[(parent, trie.tokens[i])] = node
-        else:
-            scores[node] = max(scores[node], score)
+        node = mapped[i]
+        scores[node] = max(scores[node], scores[mapped[trie.parents[i]]] + math.log(max(cands.cond[i], 1e-12)))
         sources[node] |= cands.sources[i]
         for source, values in match.items():
             values[node] = cands.match[source][i]
-        mapped[i] = node
     return _cut(HostTree(tokens, parents, scores), total_tokens, device, sources, match)
 
 
@@ -270,19 +264,12 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
     their subtrees). The draft_probs rows of lookup nodes are unused (their children are lookup nodes only)."""
     device, trie = tree.tokens.device, cands.trie
     t_tokens, t_parents, t_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
-    new_of_trie = {0: 0}
-    tokens, parents, scores, sources = [t_tokens[0]], [-1], [0.0], [0]
-    match = {source: [0] for source in cands.match}
-    for i in lookup_nodes:
-        new_of_trie[i] = len(tokens)
-        parent = new_of_trie[trie.parents[i]]
-        tokens.append(trie.tokens[i])
-        parents.append(parent)
+    new_of_trie = {i: new for new, i in enumerate([0, *lookup_nodes])}
+    parents = [-1] + [new_of_trie[trie.parents[i]] for i in lookup_nodes]
+    scores = [0.0]
+    for parent, i in zip(parents[1:], lookup_nodes):  # a parent comes first: its score is known
         scores.append(scores[parent] + math.log(max(cands.cond[i], 1e-12)))
-        sources.append(cands.sources[i])
-        for source, values in match.items():
-            values.append(cands.match[source][i])
-    n_lookup = len(tokens) - 1
+    n_lookup = len(lookup_nodes)
     first_level = {trie.tokens[i] for i in lookup_nodes if trie.parents[i] == 0}
     draws = {0: [t_tokens[c] for c in range(1, len(t_tokens)) if t_parents[c] == 0]} if first_level else {}
     new_of_draft = {0: 0}
@@ -291,14 +278,14 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
         p = t_parents[c]
         if p not in new_of_draft or (p == 0 and t_tokens[c] in first_level):
             continue  # a duplicate of a lookup sibling, or under one: removed
-        new_of_draft[c] = len(tokens)
-        tokens.append(t_tokens[c])
-        parents.append(new_of_draft[p])
-        scores.append(t_scores[c])
-        sources.append(DRAFT)
-        for values in match.values():
-            values.append(0)
+        new_of_draft[c] = len(rows)
         rows.append(c)
+    kept = rows[n_lookup + 1 :]  # the draft's nodes that stay, after the lookup's
+    tokens = [t_tokens[0]] + [trie.tokens[i] for i in lookup_nodes] + [t_tokens[c] for c in kept]
+    parents += [new_of_draft[t_parents[c]] for c in kept]
+    scores += [t_scores[c] for c in kept]
+    sources = [0] + [cands.sources[i] for i in lookup_nodes] + [DRAFT] * len(kept)
+    match = {source: [0] + [m[i] for i in lookup_nodes] + [0] * len(kept) for source, m in cands.match.items()}
     probs = tree.draft_probs[torch.tensor(rows, device=device)] if tree.draft_probs is not None else None
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
