@@ -175,9 +175,7 @@ class LookupProposer(Proposer):
         out = []
         for i, row in enumerate(run.active):
             sequence = run.tokens[row][run.starts[row] :]  # the host's copy of the row's output
-            cands = None
-            if self.context:
-                cands = self.lookups[i].propose(sequence)
+            cands = self.lookups[i].propose(sequence) if self.context else None
             if self.corpus is not None:
                 found = self.corpus.propose(sequence)
                 cands = found if cands is None else merge_candidates(cands, found)
@@ -216,35 +214,31 @@ class LookupProposer(Proposer):
             self.corpus.finish([run.tokens[row][run.prompt_length :] for row in range(run.batch_size)])
 
 
-class HybridProposer(Proposer):
-    """The draft's trees with the context lookup's continuations grafted in (see the module docstring)."""
+class HybridProposer(LookupProposer):
+    """The draft's trees with the lookup sources' continuations grafted in (see the module docstring)."""
 
     needs_hidden_states = True
 
     def __init__(
         self, draft: Eagle3DraftModel, options: LookupOptions, corpus: CorpusSource | None = None, context: bool = True
     ) -> None:
+        super().__init__(options, corpus, context)
         self.draft = DraftProposer(draft)
-        self.lookup = LookupProposer(options, corpus, context)
 
     def prefill(self, run, features, next_tokens, valid) -> None:
         self.draft.prefill(run, features, next_tokens, valid)
-        self.lookup.prefill(run, features, next_tokens, valid)
+        super().prefill(run, features, next_tokens, valid)
 
     def propose(self, run, roots) -> Proposal:
-        tries = self.lookup.tries(run)
+        tries = self.tries(run)
         # a lookup this sure of every row's next token leaves the draft little to add: skip its forward this cycle
         confident = all(
-            any(
-                c.cond[i] >= self.lookup.options.confidence
-                for i in range(1, c.trie.num_nodes)
-                if c.trie.parents[i] == 0
-            )
+            any(c.cond[i] >= self.options.confidence for i in range(1, c.trie.num_nodes) if c.trie.parents[i] == 0)
             for c in tries
         )
         consulted, worth = (False, False) if confident else self.draft.consult(run)
         if not worth:
-            return Proposal(self.lookup.rows(run, tries), consulted=consulted)
+            return Proposal(self.rows(run, tries), consulted=consulted)
         total = run.budget.total_tokens
         if run.do_sample:  # the lookup's nodes are chosen from the context alone, before any draw
             room = total - 1 - run.budget.top_k  # leave the draft its first level
@@ -263,14 +257,11 @@ class HybridProposer(Proposer):
 
     def observe(self, run, proposal, results, features, tokens, keep) -> None:
         self.draft.observe(run, proposal, results, features, tokens, keep)
-        self.lookup.observe(run, proposal, results, features, tokens, keep)
+        super().observe(run, proposal, results, features, tokens, keep)
 
     def select_rows(self, rows) -> None:
         self.draft.select_rows(rows)
-        self.lookup.select_rows(rows)
-
-    def finish(self, run) -> None:
-        self.lookup.finish(run)
+        super().select_rows(rows)
 
 
 def build_proposer(
