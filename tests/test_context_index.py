@@ -28,12 +28,12 @@ def brute_occurrences(tokens, k, limit):
     return ends[::-1][:limit]
 
 
-def brute_candidates(tokens, branches, max_ngram, min_match=1):
+def brute_candidates(tokens, branches, max_ngram):
     longest, end = brute_longest(tokens)
-    if longest < min_match:
+    if longest == 0:
         return []
     found, seen = [(end, min(longest, MATCH_CAP))], {end}
-    for k in range(min(longest, max_ngram), min_match - 1, -1):
+    for k in range(min(longest, max_ngram), 0, -1):
         for e in brute_occurrences(tokens, k, len(tokens)):
             if len(found) >= branches:
                 return found
@@ -65,13 +65,13 @@ def sequences():
 def test_index_matches_brute_force_after_every_token(name, tokens):
     index = ContextIndex(max_ngram=3)
     for n in range(1, len(tokens) + 1):
-        index.append(tokens[n - 1])
+        index.extend(tokens[n - 1 : n])
         prefix = tokens[:n]
         assert index.longest_match() == brute_longest(prefix), f"{name}, after {n} tokens"
         for k in (1, 2, 3):
             assert index.occurrences(k, 4) == brute_occurrences(prefix, k, 4), f"{name}, k={k}, after {n} tokens"
         assert index.candidates(4) == brute_candidates(prefix, 4, 3), f"{name}, after {n} tokens"
-        assert index.candidates(3, min_match=2) == brute_candidates(prefix, 3, 3, min_match=2)
+        assert index.candidates(2) == brute_candidates(prefix, 2, 3), f"{name}, after {n} tokens"
 
 
 def test_longest_match_is_unbounded_and_continues_the_earlier_occurrence():

@@ -105,15 +105,12 @@ class ContextIndex:
         return len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        for tok in tokens:
-            self.append(int(tok))
-
-    def append(self, token: int) -> None:
-        self.tokens.append(token)
-        n = len(self.tokens)
-        for k in range(1, min(self.max_ngram, n) + 1):
-            self._ngrams.setdefault(tuple(self.tokens[n - k :]), []).append(n)
-        self._extend_automaton(token, n)
+        for token in map(int, tokens):
+            self.tokens.append(token)
+            n = len(self.tokens)
+            for k in range(1, min(self.max_ngram, n) + 1):
+                self._ngrams.setdefault(tuple(self.tokens[n - k :]), []).append(n)
+            self._extend_automaton(token, n)
 
     def _extend_automaton(self, token: int, n: int) -> None:
         length, link, nxt, first = self._length, self._link, self._next, self._first_end
@@ -166,18 +163,18 @@ class ContextIndex:
                     break
         return found
 
-    def candidates(self, branches: int, min_match: int = 1) -> list[tuple[int, int]]:
+    def candidates(self, branches: int) -> list[tuple[int, int]]:
         """Up to `branches` distinct earlier end positions to continue from, `(end, match length)`: the longest
-        match first, then the most recent occurrences of the last k tokens, k from min(longest, max_ngram) down to
-        `min_match`. A match length is measured (up to `MATCH_CAP`), not just the k it was found with."""
+        match first, then the most recent occurrences of the last k tokens, k from min(longest, max_ngram) down to 1.
+        A match length is measured (up to `MATCH_CAP`), not just the k it was found with."""
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}.")
         longest, end = self.longest_match()
-        if longest < max(min_match, 1):
+        if longest == 0:
             return []
         found = [(end, min(longest, MATCH_CAP))]
         seen = {end}
-        for k in range(min(longest, self.max_ngram), max(min_match, 1) - 1, -1):
+        for k in range(min(longest, self.max_ngram), 0, -1):
             if len(found) >= branches:
                 break
             for e in self.occurrences(k, branches + len(seen)):
@@ -188,6 +185,6 @@ class ContextIndex:
                         break
         return found
 
-    def lookup(self, depth: int, branches: int, min_match: int = 1) -> LookupTrie:
-        """The weighted trie of the continuations (`depth` tokens at most) of `candidates(branches, min_match)`."""
-        return build_trie(self.tokens, self.candidates(branches, min_match), depth)
+    def lookup(self, depth: int, branches: int) -> LookupTrie:
+        """The weighted trie of the continuations (`depth` tokens at most) of `candidates(branches)`."""
+        return build_trie(self.tokens, self.candidates(branches), depth)
