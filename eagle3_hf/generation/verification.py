@@ -53,11 +53,11 @@ def greedy_accept(tokens: list[int], children: list[list[int]], next_of: Callabl
         node = match
 
 
-def _normalize(dist: torch.Tensor) -> torch.Tensor | None:
-    """``dist / dist.sum()``, or None when the sum is not a positive finite number."""
+def _normalize(dist: torch.Tensor, default: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``dist / dist.sum()``, or `default` when the sum is not a positive finite number."""
     total = dist.sum()
     if not bool(torch.isfinite(total) & (total > 0)):
-        return None
+        return default
     return dist / total
 
 
@@ -101,16 +101,13 @@ def _rrs_stages(
             leftover = (p_i - q_i).clamp(min=0)
             q_next = q_i.clone()
             q_next[x] = 0
-            q_next_normalized = _normalize(q_next)
-            q_i = q_next if q_next_normalized is None else q_next_normalized
+            q_i = _normalize(q_next, default=q_next)
         rejected.append(x)
         residual = _normalize(leftover)
         if residual is None:
             fallback = p_orig.clone()
             fallback[rejected] = 0
-            residual = _normalize(fallback)
-            if residual is None:
-                residual = p_orig
+            residual = _normalize(fallback, default=p_orig)
         p_i = residual
     yield 0.0, p_i
 
