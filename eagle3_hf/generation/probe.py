@@ -66,32 +66,35 @@ class ProbeResult:
 
 
 class _Recorder:
-    """Forward hooks on every submodule: each call's output `[1, rows, ...]` by module name, in call order."""
+    """Forward hooks on every submodule: each call's output `[1, rows, ...]` by module name, in call order; before an
+    `o_proj`'s, its input (the attention call's result) as `LAYER.self_attn (attention)`."""
 
     def __init__(self, model: torch.nn.Module):
         self.outputs: dict[str, torch.Tensor] = {}
-        self.inputs: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
         self._handles = []
         for name, module in model.named_modules():
             if name:
                 self._handles.append(module.register_forward_hook(self._hook(name)))
 
+    def _record(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.outputs:
+            self.order.append(name)
+        self.outputs[name] = tensor.detach().clone()
+
     def _hook(self, name: str) -> Any:
         def record(module: torch.nn.Module, args: tuple, output: Any) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if not torch.is_tensor(out) or out.dim() < 2:
                 return
-            if name not in self.outputs:
-                self.order.append(name)
-            self.outputs[name] = out.detach().clone()
-            if args and torch.is_tensor(args[0]):
-                self.inputs[name] = args[0].detach().clone()
+            if name.endswith("self_attn.o_proj") and args and torch.is_tensor(args[0]):
+                self._record(name.removesuffix(".o_proj") + " (attention)", args[0])
+            self._record(name, out)
 
         return record
 
     def clear(self) -> None:
-        self.outputs, self.inputs, self.order = {}, {}, []
+        self.outputs, self.order = {}, []
 
     def close(self) -> None:
         for handle in self._handles:
@@ -139,7 +142,6 @@ def probe_row_exactness(
             cache = DynamicCache(config=target.config)
             target(prompt, use_cache=True, **cache_kwargs(cache))
             steps: list[dict[str, torch.Tensor]] = []
-            step_inputs: list[dict[str, torch.Tensor]] = []
             step_logits = []
             for path in paths:
                 step_cache = copy.deepcopy(cache)
@@ -147,7 +149,6 @@ def probe_row_exactness(
                     recorder.clear()
                     step = target(tokens[None, node : node + 1], use_cache=True, **cache_kwargs(step_cache))
                 steps.append(dict(recorder.outputs))
-                step_inputs.append(dict(recorder.inputs))
                 step_logits.append(step.logits[0, -1].float())
             # the verify forward, as decoding runs it
             with exact_verification(target, enabled=exact_verify) as state:
@@ -168,15 +169,11 @@ def probe_row_exactness(
                     **cache_kwargs(tree_cache),
                     **extra,
                 )
-            tree_outputs, tree_inputs, order = dict(recorder.outputs), dict(recorder.inputs), list(recorder.order)
+            tree_outputs, order = dict(recorder.outputs), list(recorder.order)
     finally:
         recorder.close()
     difference = float((out.logits[0].float() - torch.stack(step_logits)).abs().max())
-    first = None
-    for name in order:
-        if _differs(tree_outputs[name], [s[name] for s in steps]):
-            first = _name_attention(name, tree_inputs, step_inputs)
-            break
+    first = next((name for name in order if _differs(tree_outputs[name], [s[name] for s in steps])), None)
     return ProbeResult(
         identical=difference == 0.0 and first is None,
         exact_verify=exact_verify,
@@ -188,15 +185,3 @@ def probe_row_exactness(
         max_logit_difference=difference,
         first_difference=first,
     )
-
-
-def _name_attention(name: str, tree_inputs: dict, step_inputs: list[dict]) -> str:
-    """`name`, or `LAYER.self_attn (attention)` when the first differing output is an attention block's and its
-    `o_proj` input (the attention call's result) is already different."""
-    if not name.endswith(("self_attn", "self_attn.o_proj")):
-        return name
-    block = name.removesuffix(".o_proj")
-    o_proj = f"{block}.o_proj"
-    if o_proj in tree_inputs and _differs(tree_inputs[o_proj], [s[o_proj] for s in step_inputs]):
-        return f"{block} (attention)"
-    return name
