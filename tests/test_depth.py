@@ -138,9 +138,7 @@ def test_bf16_prepacking_covers_every_layer(target):
 
         def decode_step():
             mask = causal_block(0, 5, torch.bfloat16, ids.device)
-            return draft_forward(
-                draft, DraftKV.for_draft(draft), ids, draft.fuse(features), torch.arange(5)[None], 0, mask
-            )
+            return draft_forward(draft, DraftKV(draft), ids, draft.fuse(features), torch.arange(5)[None], 0, mask)
 
         before = decode_step()
         replaced = prepack_linears(draft)

@@ -67,7 +67,7 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         features = draft.target_features(target(ids, output_hidden_states=True).hidden_states)
         # the verified prefix: 7 positions, causal
         ref = draft(ids, target_hidden_states=features, use_cache=True)
-        kv = DraftKV.for_draft(draft, capacity=4)  # too small on purpose: the buffer must grow
+        kv = DraftKV(draft, capacity=4)  # too small on purpose: the buffer must grow
         logits, hidden = step(
             draft, kv, ids, draft.fuse(features), torch.arange(7), 0, causal_block(0, 7, torch.float32, ids.device)
         )
@@ -108,28 +108,32 @@ def test_draft_forward_matches_the_model_forward(family, overrides):
         torch.testing.assert_close(kv.keys[layer, :, :, :12], ref2.cache.layers[layer].keys, rtol=1e-4, atol=1e-5)
 
 
+def small_kv(capacity, num_hidden_layers=1):
+    """An empty `DraftKV` of `capacity` slots for a llama draft of `num_hidden_layers` layers (2 kv heads of 16)."""
+    draft = Eagle3DraftModel.from_target(TARGETS["llama"](), draft_vocab_size=50, num_hidden_layers=num_hidden_layers)
+    return DraftKV(draft, capacity=capacity)
+
+
 def test_draft_kv_keeps_its_content_when_it_grows():
-    kv = DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), capacity=2)
-    first = torch.arange(12.0).view(1, 2, 2, 3)
+    kv = small_kv(capacity=2)
+    first = torch.arange(64.0).view(1, 2, 2, 16)
     kv.write(0, first, -first)
-    second = torch.full((1, 2, 3, 3), 7.0)
+    second = torch.full((1, 2, 3, 16), 7.0)
     keys, values = kv.write(2, second, second)
-    assert kv.capacity == 5 and keys.shape == (1, 2, 5, 3)
+    assert kv.capacity == 5 and keys.shape == (1, 2, 5, 16)
     assert torch.equal(keys[:, :, :2], first) and torch.equal(values[:, :, :2], -first)
     assert torch.equal(keys[:, :, 2:], second)
 
 
 def test_draft_kv_layers_share_slots_and_grow_together():
-    kv = DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), capacity=2, num_layers=3)
+    kv = small_kv(capacity=2, num_hidden_layers=3)
     for layer in range(3):
-        kv.write(0, torch.full((1, 2, 2, 3), float(layer)), torch.full((1, 2, 2, 3), -float(layer)), layer)
-    keys, _ = kv.write(1, torch.full((1, 2, 3, 3), 9.0), torch.full((1, 2, 3, 3), 9.0), 1)  # grows all
-    assert kv.capacity == 4 and keys.shape == (1, 2, 4, 3) and kv.keys.shape == (3, 1, 2, 4, 3)
-    assert torch.equal(keys[:, :, 0], torch.full((1, 2, 3), 1.0)) and (keys[:, :, 1:] == 9).all()
+        kv.write(0, torch.full((1, 2, 2, 16), float(layer)), torch.full((1, 2, 2, 16), -float(layer)), layer)
+    keys, _ = kv.write(1, torch.full((1, 2, 3, 16), 9.0), torch.full((1, 2, 3, 16), 9.0), 1)  # grows all
+    assert kv.capacity == 4 and keys.shape == (1, 2, 4, 16) and kv.keys.shape == (3, 1, 2, 4, 16)
+    assert torch.equal(keys[:, :, 0], torch.full((1, 2, 16), 1.0)) and (keys[:, :, 1:] == 9).all()
     for layer in (0, 2):  # the other layers kept their content through the growth
         assert (kv.keys[layer, :, :, :2] == layer).all() and (kv.values[layer, :, :, :2] == -layer).all()
-    with pytest.raises(ValueError, match="num_layers >= 1"):
-        DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), num_layers=0)
 
 
 def causal_block(prefix, seq, dtype, device):
@@ -158,10 +162,10 @@ def test_rows_of_a_batch_compute_what_each_row_alone_does():
         allowed[1, :, 0] = False  # row 1's first column is a hole (left padding) ...
         allowed[1, 0, 0] = True  # ... which sees only itself
         positions = torch.stack([torch.arange(6), (torch.arange(6) - 1).clamp(min=0)])
-        kv = DraftKV.for_draft(draft, rows=2)
+        kv = DraftKV(draft, rows=2)
         normed, feedback = draft_forward(draft, kv, ids, hidden, positions, 0, _additive(allowed))
         for row, start in ((0, 0), (1, 1)):
-            alone = DraftKV.for_draft(draft)
+            alone = DraftKV(draft)
             own, own_feedback = draft_forward(
                 draft,
                 alone,
@@ -176,7 +180,7 @@ def test_rows_of_a_batch_compute_what_each_row_alone_does():
     kv.select_rows(torch.tensor([1]))
     assert kv.keys.shape[1] == 1
     with pytest.raises(ValueError, match="rows >= 1"):
-        DraftKV(kv_heads=2, head_dim=3, dtype=torch.float32, device=torch.device("cpu"), rows=0)
+        DraftKV(draft, rows=0)
 
 
 def _former_draft_forward(draft, kv, input_ids, hidden, positions, slot, mask):
@@ -212,7 +216,7 @@ def test_the_model_forward_with_the_decoding_attention_is_the_former_decoding_fo
         tree = torch.cat([allowed[:, -1:].expand(2, 3, 6), torch.eye(3, dtype=torch.bool).expand(2, 3, 3)], dim=2)
         results = []
         for run in ("model", "former"):
-            kv = DraftKV.for_draft(draft, capacity=4, rows=2)
+            kv = DraftKV(draft, capacity=4, rows=2)
             steps = [
                 (ids, hidden, positions, 0, _additive(allowed)),
                 (level, None, positions[:, -1:].expand(2, 3) + 1, 6, _additive(tree)),

@@ -25,30 +25,16 @@ class DraftKV:
     """Keys and values of the draft's layers, `[num_layers, rows, kv_heads, capacity, head_dim]`, grown by doubling:
     slots `[0, length)` hold verified columns, the rest is the trees' scratch space (see the module docstring)."""
 
-    def __init__(
-        self,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        capacity: int = 512,
-        num_layers: int = 1,
-        rows: int = 1,
-    ) -> None:
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"DraftKV needs num_layers >= 1 (one buffer per draft layer), got {num_layers!r}.")
+    def __init__(self, draft: Eagle3DraftModel, capacity: int = 512, rows: int = 1) -> None:
+        """An empty buffer for `draft`'s layers (its depth, validated by its config) in its dtype and device."""
         if not isinstance(rows, int) or rows < 1:
             raise ValueError(f"DraftKV needs rows >= 1 (one per prompt of the batch), got {rows!r}.")
-        self.keys = torch.zeros(num_layers, rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        kv_heads = draft.config.num_key_value_heads or draft.config.num_attention_heads
+        head_dim, weight = draft.midlayer.self_attn.head_dim, draft.lm_head.weight
+        shape = (len(draft.draft_layers()), rows, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
-
-    @classmethod
-    def for_draft(cls, draft: Eagle3DraftModel, capacity: int = 512, rows: int = 1) -> DraftKV:
-        attn = draft.midlayer.self_attn
-        weight = draft.lm_head.weight
-        kv_heads = draft.config.num_key_value_heads or draft.config.num_attention_heads
-        return cls(kv_heads, attn.head_dim, weight.dtype, weight.device, capacity, len(draft.draft_layers()), rows)
 
     @property
     def capacity(self) -> int:

@@ -113,7 +113,7 @@ def catch_up(draft: Eagle3DraftModel, state: DraftState) -> None:
     rows, n = tokens.shape
     device = tokens.device
     if state.kv is None:
-        state.kv = DraftKV.for_draft(draft, rows=rows)
+        state.kv = DraftKV(draft, rows=rows)
         state.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)
         state.positions = torch.zeros(rows, dtype=torch.long, device=device)
     hidden = draft.fuse(features.to(draft.fc.weight.dtype))
