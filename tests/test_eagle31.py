@@ -109,7 +109,9 @@ def greedy_tree(draft, target, prompt):
     with torch.no_grad():
         hidden = target(prompt, output_hidden_states=True).hidden_states
     state = DraftState()
-    state.add_verified(draft.target_features(hidden)[:, :-1], prompt[:, 1:])
+    state.add_verified(
+        draft.target_features(hidden)[:, :-1], prompt[:, 1:], torch.ones_like(prompt[:, 1:], dtype=torch.bool)
+    )
     catch_up(draft, state)
     return build_greedy_trees(draft, state, prompt[0, -1:], TreeBudget(depth=5, top_k=3, total_tokens=20))[0]
 

@@ -58,11 +58,7 @@ class DraftState:
         """Columns of the KV buffer holding verified pairs (or holes)."""
         return 0 if self.kv is None else self.kv.length
 
-    def add_verified(
-        self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor | None = None
-    ) -> None:
-        if valid is None:
-            valid = torch.ones(next_tokens.shape, dtype=torch.bool, device=next_tokens.device)
+    def add_verified(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self.pending.append((features, next_tokens, valid))
 
     def select_rows(self, rows: torch.Tensor) -> None:

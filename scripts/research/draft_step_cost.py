@@ -54,7 +54,7 @@ def measure(target, draft, context: torch.Tensor, budget: TreeBudget, repeats: i
     features = select_target_features(out.hidden_states, layer_ids).to(draft.lm_head.weight.dtype)  # [1, C, 3H]
     next_tokens = torch.cat([context[:, 1:], out.logits[:, -1:].argmax(-1)], dim=1)
     state = DraftState()
-    state.add_verified(features, next_tokens)
+    state.add_verified(features, next_tokens, torch.ones_like(next_tokens, dtype=torch.bool))  # every pair real
     catch_up(draft, state)
     length, k = state.length, budget.top_k
     tokens = torch.randint(0, target.config.get_text_config().vocab_size, (1, k))
