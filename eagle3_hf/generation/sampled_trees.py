@@ -29,9 +29,9 @@ class _RowTree:
     """One row's tree as it grows."""
 
     tokens: list[int]
+    draft_probs: torch.Tensor  # [1 + budget, V]: row i, node i's children's draft distribution (zeros: a leaf)
     parents: list[int] = field(default_factory=lambda: [-1])
     scores: list[float] = field(default_factory=lambda: [0.0])
-    q_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> draft distribution over target ids
     hidden_of: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> its parent's draft output [H]
     column: dict[int, int] = field(default_factory=dict)  # fed node -> its scratch column (after the prefix)
     level_nodes: list[int] = field(default_factory=list)
@@ -62,20 +62,13 @@ def build_sampled_trees(
     """A sampled tree per active row (roots `[A]`) of at most `totals[row]` nodes (default `budget.total_tokens`),
     root included, each carrying `draft_probs` `[T, V]`."""
     device = roots.device
-    vocab = draft.config.vocab_size
     to_target = draft.draft_to_target_ids(torch.arange(state.last_logits.shape[-1], device=device))
-
-    def over_target(q: torch.Tensor) -> torch.Tensor:  # [n, Vd] draft probabilities -> [n, V]
-        full = torch.zeros(q.shape[0], vocab, device=device)
-        full[:, to_target] = q
-        return full
-
     q_root = torch.softmax(state.last_logits.float() / temperature, dim=-1)  # [A, Vd]
-    q_root_full = over_target(q_root)
     rows: list[_RowTree] = []
     for r, root in enumerate(roots.tolist()):
-        row = _RowTree(tokens=[root], remaining=(budget.total_tokens if totals is None else totals[r]) - 1)
-        row.q_rows[0] = q_root_full[r]
+        total = budget.total_tokens if totals is None else totals[r]
+        row = _RowTree([root], torch.zeros(total, draft.config.vocab_size, device=device), remaining=total - 1)
+        row.draft_probs[0, to_target] = q_root[r]
         count = min(budget.top_k, row.remaining, int((q_root[r] > 0).sum()))
         row.level_nodes = row.add_children(draft, 0, q_root[r], count)
         row.hidden_of = {n: state.last_hidden[r, 0] for n in row.level_nodes}
@@ -105,20 +98,21 @@ def build_sampled_trees(
         fed += kf
         q_levels = torch.softmax(draft.lm_head(normed).float() / temperature, dim=-1)  # [A, kf, Vd]
         for r, (row, frontier) in enumerate(zip(rows, frontiers)):
-            q_full = over_target(q_levels[r, : len(frontier)])
             next_level: list[int] = []
             for i, node in enumerate(frontier):
                 if row.remaining <= 0:
                     break
                 count = min(budget.top_k, row.remaining, int((q_levels[r, i] > 0).sum()))
-                row.q_rows[node] = q_full[i]
+                row.draft_probs[node, to_target] = q_levels[r, i]
                 children = row.add_children(draft, node, q_levels[r, i], count)
                 for c in children:
                     row.hidden_of[c] = feedback[r, i]
                 next_level.extend(children)
-            if frontier:
-                row.level_nodes = next_level
-    return [_tree(row, vocab, device) for row in rows]
+            row.level_nodes = next_level  # (a row with no frontier is out of budget or stopped: [] changes nothing)
+    return [
+        DraftTree.from_lists(HostTree(r.tokens, r.parents, r.scores), device, r.draft_probs[: len(r.parents)])
+        for r in rows
+    ]
 
 
 def _frontier(row: _RowTree, budget: TreeBudget) -> list[int]:
@@ -130,10 +124,3 @@ def _frontier(row: _RowTree, budget: TreeBudget) -> list[int]:
         row.level_nodes = []
         return []
     return sorted(row.level_nodes, key=lambda n: (-row.scores[n], n))[: budget.top_k]
-
-
-def _tree(row: _RowTree, vocab: int, device: torch.device) -> DraftTree:
-    draft_probs = torch.zeros(len(row.parents), vocab, device=device)
-    for node, q in row.q_rows.items():
-        draft_probs[node] = q
-    return DraftTree.from_lists(HostTree(row.tokens, row.parents, row.scores), device, draft_probs)
