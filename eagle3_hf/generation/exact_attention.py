@@ -129,13 +129,8 @@ class ExactAttention:
             rows = max(rows, state.keys.shape[0] if state is not None else 0)
             capacity = max(needed + 256, int(1.5 * (state.keys.shape[2] if state is not None else 0)))
             shape = (rows, key.shape[1], capacity, key.shape[3])
-            grown = _LayerKeys(key.new_empty(shape), value.new_empty(shape))
-            if state is not None and state.synced:
-                n = min(state.synced, past)
-                grown.keys[:, :, :n] = state.keys[:1, :, :n]  # every row holds the same prefix
-                grown.values[:, :, :n] = state.values[:1, :, :n]
-                grown.synced = n
-            state = self.layers[layer] = grown
+            # empty: filled below from the cache, which holds the prefix the old copies held
+            state = self.layers[layer] = _LayerKeys(key.new_empty(shape), value.new_empty(shape))
         if state.synced > past:  # the cache was cropped (a stopping criterion cut a cycle short)
             state.synced = past
         if state.synced < past:
