@@ -37,15 +37,21 @@ class _RowTree:
     level_nodes: list[int] = field(default_factory=list)
     remaining: int = 0
 
-    def add_children(self, draft: Eagle3DraftModel, node: int, q_draft: torch.Tensor, count: int) -> list[int]:
+    def add_children(
+        self, node: int, q_draft: torch.Tensor, hidden: torch.Tensor, top_k: int, to_target: torch.Tensor
+    ) -> list[int]:
+        """Draw `node`'s children from `q_draft` `[Vd]` (ids mapped by `to_target`), to be fed `hidden` `[H]`."""
+        self.draft_probs[node, to_target] = q_draft
+        count = min(top_k, self.remaining, int((q_draft > 0).sum()))
         ids = sample_children(torch.log(q_draft), count)  # draft ids, draw order
-        tokens, log_q = read_on_host([draft.draft_to_target_ids(ids), torch.log(q_draft[ids])])  # one read
+        tokens, log_q = read_on_host([to_target[ids], torch.log(q_draft[ids])])  # one read
         new = []
         for token, value in zip(tokens, log_q):
             self.parents.append(node)
             self.scores.append(self.scores[node] + value)
             self.tokens.append(int(token))
             new.append(len(self.parents) - 1)
+            self.hidden_of[new[-1]] = hidden
         self.remaining -= len(new)
         return new
 
@@ -68,10 +74,7 @@ def build_sampled_trees(
     for r, root in enumerate(roots.tolist()):
         total = budget.total_tokens if totals is None else totals[r]
         row = _RowTree([root], torch.zeros(total, draft.config.vocab_size, device=device), remaining=total - 1)
-        row.draft_probs[0, to_target] = q_root[r]
-        count = min(budget.top_k, row.remaining, int((q_root[r] > 0).sum()))
-        row.level_nodes = row.add_children(draft, 0, q_root[r], count)
-        row.hidden_of = {n: state.last_hidden[r, 0] for n in row.level_nodes}
+        row.level_nodes = row.add_children(0, q_root[r], state.last_hidden[r, 0], budget.top_k, to_target)
         rows.append(row)
     fed = 0  # scratch columns fed so far, after the verified ones
     for level in range(1, budget.depth):
@@ -102,12 +105,7 @@ def build_sampled_trees(
             for i, node in enumerate(frontier):
                 if row.remaining <= 0:
                     break
-                count = min(budget.top_k, row.remaining, int((q_levels[r, i] > 0).sum()))
-                row.draft_probs[node, to_target] = q_levels[r, i]
-                children = row.add_children(draft, node, q_levels[r, i], count)
-                for c in children:
-                    row.hidden_of[c] = feedback[r, i]
-                next_level.extend(children)
+                next_level.extend(row.add_children(node, q_levels[r, i], feedback[r, i], budget.top_k, to_target))
             row.level_nodes = next_level  # (a row with no frontier is out of budget or stopped: [] changes nothing)
     return [
         DraftTree.from_lists(HostTree(r.tokens, r.parents, r.scores), device, r.draft_probs[: len(r.parents)])
