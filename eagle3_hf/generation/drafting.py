@@ -102,9 +102,7 @@ def catch_up(draft: Eagle3DraftModel, state: DraftState) -> None:
     """Run the draft over every row's pending verified pairs in one forward; refresh each row's last output."""
     if not state.pending:
         return
-    features = torch.cat([f for f, _, _ in state.pending], dim=1)  # [A, n, 3Ht]
-    tokens = torch.cat([t for _, t, _ in state.pending], dim=1)  # [A, n]
-    valid = torch.cat([v for _, _, v in state.pending], dim=1)  # [A, n]
+    features, tokens, valid = (torch.cat(blocks, dim=1) for blocks in zip(*state.pending))  # [A, n, 3Ht], [A, n] x2
     state.pending.clear()
     rows, n = tokens.shape
     device = tokens.device
