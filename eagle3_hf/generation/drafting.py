@@ -45,18 +45,13 @@ class DraftState:
     """Per-call draft state of the rows still decoding (row i of every tensor is active row i)."""
 
     kv: DraftKV | None = None  # created on first use, in the draft's dtype
-    valid: torch.Tensor | None = None  # [A, length] bool: the column holds a verified pair of that row
+    valid: torch.Tensor | None = None  # [A, kv.length] bool: the column holds a verified pair of that row
     positions: torch.Tensor | None = None  # [A] verified pairs per row: the next draft position
     last_hidden: torch.Tensor | None = None  # [A, 1, H] draft state at each row's last verified position
     last_logits: torch.Tensor | None = None  # [A, Vd]
     forward_calls: int = 0  # draft forwards run so far (the cost model times them)
     # verified pairs not yet run through the draft, as padded blocks: features [A, n, 3Ht], tokens [A, n], valid [A, n]
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    @property
-    def length(self) -> int:
-        """Columns of the KV buffer holding verified pairs (or holes)."""
-        return 0 if self.kv is None else self.kv.length
 
     def add_verified(self, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor) -> None:
         self.pending.append((features, next_tokens, valid))

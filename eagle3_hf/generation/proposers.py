@@ -120,7 +120,7 @@ class DraftProposer(Proposer):
             return False, False
         catch_up(self.draft, self.state)  # the verified pairs since the last consultation; not a draft step
         longest = run.longest_cached()  # after catching up, each row's draft pairs are its tokens in the target cache
-        if worth_compacting(self.state.length, longest):  # rows accept paths of different lengths: holes pile up
+        if worth_compacting(self.state.kv.length, longest):  # rows accept paths of different lengths: holes pile up
             self.state.compact(longest)
         if not run.adaptive_tree:
             return True, True

@@ -56,7 +56,7 @@ def measure(target, draft, context: torch.Tensor, budget: TreeBudget, repeats: i
     state = DraftState()
     state.add_verified(features, next_tokens, torch.ones_like(next_tokens, dtype=torch.bool))  # every pair real
     catch_up(draft, state)
-    length, k = state.length, budget.top_k
+    length, k = state.kv.length, budget.top_k
     tokens = torch.randint(0, target.config.get_text_config().vocab_size, (1, k))
     hidden = state.last_hidden.expand(1, k, -1)
     allowed = torch.cat([torch.ones(k, length, dtype=torch.bool), torch.eye(k, dtype=torch.bool)], dim=1)
