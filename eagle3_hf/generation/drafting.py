@@ -145,8 +145,7 @@ def build_greedy_trees(
     rows, k = roots.numel(), budget.top_k
     cand_ids, cand_scores = top_children(state.last_logits, k)  # [A, k0] each
     k0 = cand_ids.shape[1]
-    all_scores, all_ids = [cand_scores], [cand_ids]
-    all_parents = [torch.full_like(cand_ids, -1)]
+    levels = [(cand_scores, cand_ids, torch.full_like(cand_ids, -1))]  # per level: scores, ids, parents [A, n] each
     frontier = torch.arange(k0, device=device).expand(rows, k0)  # indices into each row's flat candidate list
     frontier_scores, frontier_ids = cand_scores, cand_ids
     frontier_hidden = state.last_hidden.expand(rows, k0, -1)
@@ -173,9 +172,8 @@ def build_greedy_trees(
         )
         child_ids, child_logp = top_children(draft.lm_head(normed), k)  # [A, kf, k] each
         child_scores = (frontier_scores[:, :, None] + child_logp).reshape(rows, -1)
-        all_scores.append(child_scores)
-        all_ids.append(child_ids.reshape(rows, -1))
-        all_parents.append(frontier[:, :, None].expand_as(child_ids).reshape(rows, -1))
+        child_parents = frontier[:, :, None].expand_as(child_ids).reshape(rows, -1)
+        levels.append((child_scores, child_ids.reshape(rows, -1), child_parents))
         best = child_scores.topk(min(k, child_scores.shape[1]), dim=1).indices  # [A, k]: the next frontier
         parent_rows = torch.div(best, child_ids.shape[2], rounding_mode="floor")
         frontier = flat_count + best
@@ -184,7 +182,7 @@ def build_greedy_trees(
         frontier_ids = child_ids.reshape(rows, -1).gather(1, best)
         frontier_hidden = feedback.gather(1, parent_rows[:, :, None].expand(-1, -1, width))
         ancestors = ancestors.gather(1, parent_rows[:, :, None].expand(-1, -1, ancestors.shape[2]))
-    scores, ids, parents = torch.cat(all_scores, 1), torch.cat(all_ids, 1), torch.cat(all_parents, 1)  # [A, N]
+    scores, ids, parents = (torch.cat(parts, 1) for parts in zip(*levels))  # [A, N]
     kept, tree_parents = _rerank_rows(scores, parents, budget.total_tokens)  # [A, M], [A, 1 + M]
     tokens = torch.cat([roots[:, None].to(ids.dtype), draft.draft_to_target_ids(ids.gather(1, kept))], dim=1)
     kept_scores = torch.cat([torch.zeros(rows, 1, device=device), scores.gather(1, kept)], dim=1)
