@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from cli_argv import argv
 
 from eagle3_hf.bench.cards import bench_card
 from eagle3_hf.cli import main as cli_main
@@ -47,23 +48,16 @@ def test_evaluate_command_and_the_model_card(chat_target, tmp_path, capsys):
     draft_dir = tmp_path / "draft"
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(draft_dir),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--draft-vocab-size",
-                "48",
-                "--held-out-fraction",
-                "0",
-            ]
+                target=folder,
+                data=data,
+                output=draft_dir,
+                max_steps=1,
+                ttt_length=2,
+                draft_vocab_size=48,
+                held_out_fraction=0,
+            )
         )
         == 0
     )
@@ -71,25 +65,17 @@ def test_evaluate_command_and_the_model_card(chat_target, tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert (
         cli_main(
-            [
+            argv(
                 "evaluate",
-                "--target",
-                str(folder),
-                "--draft",
-                str(draft_dir),
-                "--data",
-                str(data),
-                "--split",
-                "all",
-                "--ttt-length",
-                "3",
-                "--dtype",
-                "float32",
-                "--json",
-                str(out),
-                "--record",
-                "MT-bench turn 1",
-            ]
+                target=folder,
+                draft=draft_dir,
+                data=data,
+                split="all",
+                ttt_length=3,
+                dtype="float32",
+                json=out,
+                record="MT-bench turn 1",
+            )
         )
         == 0
     )
@@ -106,41 +92,23 @@ def test_evaluate_command_and_the_model_card(chat_target, tmp_path, capsys):
     # evaluation says so instead of scoring nothing.
     assert (
         cli_main(
-            [
+            argv(
                 "evaluate",
-                "--target",
-                str(folder),
-                "--draft",
-                str(draft_dir),
-                "--data",
-                str(data),
-                "--dtype",
-                "float32",
-                "--ttt-length",
-                "2",
-                "--json",
-                str(out),
-                "--overwrite-output-dir",
-            ]
+                target=folder,
+                draft=draft_dir,
+                data=data,
+                dtype="float32",
+                ttt_length=2,
+                json=out,
+                overwrite_output_dir=True,
+            )
         )
         == 0
     )
     assert json.loads(out.read_text())[str(draft_dir)]["conversations"] == 1
     assert (
         cli_main(
-            [
-                "evaluate",
-                "--target",
-                str(folder),
-                "--draft",
-                str(draft_dir),
-                "--data",
-                str(data),
-                "--dtype",
-                "float32",
-                "--held-out-fraction",
-                "0.005",
-            ]
+            argv("evaluate", target=folder, draft=draft_dir, data=data, dtype="float32", held_out_fraction="0.005")
         )
         == 2
     )

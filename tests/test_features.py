@@ -7,6 +7,7 @@ from collections import namedtuple
 
 import pytest
 import torch
+from cli_argv import argv
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
@@ -171,74 +172,30 @@ def test_help(capsys):
 def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
     folder, data = chat_target
     vocab_file = tmp_path / "vocab.safetensors"
-    assert (
-        cli_main(
-            [
-                "vocab",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(vocab_file),
-                "--draft-vocab-size",
-                "64",
-            ]
-        )
-        == 0
-    )
+    assert cli_main(argv("vocab", target=folder, data=data, output=vocab_file, draft_vocab_size=64)) == 0
     printed = capsys.readouterr().out
     assert "covers 100.00% of the training conversations' supervised tokens" in printed
     assert "Coverage of the target's supervised tokens by draft vocabulary size" in printed
     out = tmp_path / "features"
     assert (
         cli_main(
-            [
-                "features",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(out),
-                "--logits-top-k",
-                "16",
-                "--shard-size",
-                "5",
-                "--storage-dtype",
-                "float32",
-            ]
+            argv(
+                "features", target=folder, data=data, output=out, logits_top_k=16, shard_size=5, storage_dtype="float32"
+            )
         )
         == 0
     )
     data_set = OfflineFeatureDataset(out)  # sum-3 is held out (id hash below 2%): 11 of the 12 conversations
     assert len(data_set) == 11 and data_set.manifest["logits_top_k"] == 16
     held_out = tmp_path / "held_out"
-    assert (
-        cli_main(
-            ["features", "--target", str(folder), "--data", str(data), "--output", str(held_out), "--split", "held-out"]
-        )
-        == 0
-    )
+    assert cli_main(argv("features", target=folder, data=data, output=held_out, split="held-out")) == 0
     assert len(OfflineFeatureDataset(held_out)) == 1
     # A second run finds every shard done; data without assistant turns is refused cleanly.
     assert (
         cli_main(
-            [
-                "features",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(out),
-                "--logits-top-k",
-                "16",
-                "--shard-size",
-                "5",
-                "--storage-dtype",
-                "float32",
-            ]
+            argv(
+                "features", target=folder, data=data, output=out, logits_top_k=16, shard_size=5, storage_dtype="float32"
+            )
         )
         == 0
     )
@@ -246,37 +203,13 @@ def test_vocab_and_features_commands(chat_target, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
     written = vocab_file.read_bytes()
-    assert (
-        cli_main(
-            [
-                "vocab",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(vocab_file),
-                "--draft-vocab-size",
-                "64",
-            ]
-        )
-        == 2
-    )
+    assert cli_main(argv("vocab", target=folder, data=data, output=vocab_file, draft_vocab_size=64)) == 2
     assert "already exists; pass --overwrite-output-dir" in capsys.readouterr().err
     assert (
         cli_main(
-            [
-                "vocab",
-                "--target",
-                str(folder),
-                "--data",
-                str(prompts),
-                "--output",
-                str(vocab_file),
-                "--draft-vocab-size",
-                "64",
-                "--overwrite-output-dir",
-            ]
+            argv(
+                "vocab", target=folder, data=prompts, output=vocab_file, draft_vocab_size=64, overwrite_output_dir=True
+            )
         )
         == 2
     )
@@ -338,22 +271,7 @@ def test_an_online_run_resumes_on_the_offline_features_of_its_data(chat_target, 
     ]
     online, switched, feats = tmp_path / "online", tmp_path / "switched", tmp_path / "features"
     assert cli_main([str(a) for a in ("train", "--data", data, "--output", online, *common)]) == 0
-    assert (
-        cli_main(
-            [
-                "features",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(feats),
-                "--storage-dtype",
-                "float32",
-            ]
-        )
-        == 0
-    )
+    assert cli_main(argv("features", target=folder, data=data, output=feats, storage_dtype="float32")) == 0
     shutil.copytree(online / "checkpoint-2", switched / "checkpoint-2")
     capsys.readouterr()
     assert cli_main([str(a) for a in ("train", "--features", feats, "--output", switched, *common, "--resume")]) == 0

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from cli_argv import argv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_hf.cli import main as cli_main
@@ -187,24 +188,17 @@ def test_no_compare_times_eagle3_alone(chat_target, capsys):
     folder, _ = chat_target
     assert (
         cli_main(
-            [
+            argv(
                 "generate",
-                "--target",
-                str(folder),
-                "--draft",
-                "random",
-                "--prompt",
-                "hi",
-                "--max-new-tokens",
-                "4",
-                "--threads",
-                "1",
-                "--dtype",
-                "float32",
-                "--no-compare",
-                "--repeats",
-                "2",
-            ]
+                target=folder,
+                draft="random",
+                prompt="hi",
+                max_new_tokens=4,
+                threads=1,
+                dtype="float32",
+                no_compare=True,
+                repeats=2,
+            )
         )
         == 0
     )

@@ -11,6 +11,7 @@ import pathlib
 
 import pytest
 import torch
+from cli_argv import argv
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
@@ -120,7 +121,7 @@ def test_bad_loss_names_are_refused_by_name(tmp_path, capsys):
         with pytest.raises(ValueError, match=r"loss must be one of forward_kl, tv, lk; got 'kl'"):
             call()
     with pytest.raises(SystemExit):
-        cli_main(["train", "--target", "smollm2", "--data", "x.jsonl", "--output-dir", str(tmp_path), "--loss", "kl"])
+        cli_main(argv("train", target="smollm2", data="x.jsonl", output_dir=tmp_path, loss="kl"))
     assert "--loss" in capsys.readouterr().err
 
 

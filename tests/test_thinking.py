@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_argv import argv
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.bench.runner import read_prompts
@@ -203,22 +204,16 @@ def test_train_command_records_the_setting(chat_target, tmp_path):
     out = tmp_path / "run"
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "1",
-                "--draft-vocab-size",
-                "40",
-                "--output",
-                str(out),
-                "--no-enable-thinking",
-            ]
+                target=folder,
+                data=data,
+                max_steps=1,
+                ttt_length=1,
+                draft_vocab_size=40,
+                output=out,
+                no_enable_thinking=True,
+            )
         )
         == 0
     )
@@ -232,41 +227,14 @@ def test_offline_features_record_the_setting_and_train_takes_it(chat_target, tmp
     folder, data = chat_target
     features = tmp_path / "features"
     assert (
-        cli_main(
-            [
-                "features",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(features),
-                "--no-enable-thinking",
-                "--logits-top-k",
-                "8",
-            ]
-        )
+        cli_main(argv("features", target=folder, data=data, output=features, no_enable_thinking=True, logits_top_k=8))
         == 0
     )
     assert json.loads((features / "features.json").read_text())["enable_thinking"] is False
     out = tmp_path / "run"
     assert (
         cli_main(
-            [
-                "train",
-                "--target",
-                str(folder),
-                "--features",
-                str(features),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "1",
-                "--draft-vocab-size",
-                "40",
-                "--output",
-                str(out),
-            ]
+            argv("train", target=folder, features=features, max_steps=1, ttt_length=1, draft_vocab_size=40, output=out)
         )
         == 0
     )

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from cli_argv import argv
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from trainer_callbacks import StopAt
@@ -338,24 +339,7 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
     again = tmp_path / "again"
     assert (
-        cli_main(
-            [
-                "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(again),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--init-draft",
-                str(out),
-            ]
-        )
-        == 0
+        cli_main(argv("train", target=folder, data=data, output=again, max_steps=1, ttt_length=2, init_draft=out)) == 0
     )
     continued = Eagle3DraftModel.from_pretrained(str(again))
     assert torch.equal(continued.t2d, draft.t2d)  # continuing keeps the draft's vocabulary
@@ -363,22 +347,15 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     capsys.readouterr()
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                str(data),
-                "--output",
-                str(top),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--target-layer-ids",
-                "3,3,3",
-            ]
+                target=folder,
+                data=[data, data],
+                output=top,
+                max_steps=1,
+                ttt_length=2,
+                target_layer_ids="3,3,3",
+            )
         )
         == 0
     )
@@ -386,32 +363,20 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     assert Eagle3DraftModel.from_pretrained(str(top)).config.target_layer_ids == [3, 3, 3]
     # Continuing the saved draft on offline features: they hold the target's top-k logits, for any vocabulary.
     features = tmp_path / "features"
-    assert (
-        cli_main(
-            ["features", "--target", str(folder), "--data", str(data), "--output", str(features), "--shard-size", "6"]
-        )
-        == 0
-    )
+    assert cli_main(argv("features", target=folder, data=data, output=features, shard_size=6)) == 0
     offline = tmp_path / "offline"
     capsys.readouterr()
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--features",
-                str(features),
-                str(features),
-                "--output",
-                str(offline),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--init-draft",
-                str(out),
-            ]
+                target=folder,
+                features=[features, features],
+                output=offline,
+                max_steps=1,
+                ttt_length=2,
+                init_draft=out,
+            )
         )
         == 0
     )
@@ -420,34 +385,21 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     # A fresh draft on the same features: its vocabulary is counted on their tokens, or read from `eagle3-hf vocab`.
     # Evaluated while training on features of the held-out conversations.
     held_out = tmp_path / "held_out_features"
-    assert (
-        cli_main(
-            ["features", "--target", str(folder), "--data", str(data), "--output", str(held_out), "--split", "held-out"]
-        )
-        == 0
-    )
+    assert cli_main(argv("features", target=folder, data=data, output=held_out, split="held-out")) == 0
     fresh = tmp_path / "fresh"
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--features",
-                str(features),
-                "--output",
-                str(fresh),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--draft-vocab-size",
-                "32",
-                "--eval-features",
-                str(held_out),
-                "--eval-steps",
-                "1",
-            ]
+                target=folder,
+                features=features,
+                output=fresh,
+                max_steps=1,
+                ttt_length=2,
+                draft_vocab_size=32,
+                eval_features=held_out,
+                eval_steps=1,
+            )
         )
         == 0
     )
@@ -455,40 +407,13 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     state = json.loads((fresh / "trainer_state.json").read_text())
     assert any("eval_acc_0" in log and "eval_coverage" in log for log in state["log_history"])
     vocab_file = tmp_path / "vocab.safetensors"
-    assert (
-        cli_main(
-            [
-                "vocab",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(vocab_file),
-                "--draft-vocab-size",
-                "40",
-            ]
-        )
-        == 0
-    )
+    assert cli_main(argv("vocab", target=folder, data=data, output=vocab_file, draft_vocab_size=40)) == 0
     from_file = tmp_path / "from_file"
     assert (
         cli_main(
-            [
-                "train",
-                "--target",
-                str(folder),
-                "--features",
-                str(features),
-                "--output",
-                str(from_file),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--vocab",
-                str(vocab_file),
-            ]
+            argv(
+                "train", target=folder, features=features, output=from_file, max_steps=1, ttt_length=2, vocab=vocab_file
+            )
         )
         == 0
     )
@@ -496,19 +421,7 @@ def test_train_command_resume_and_init_draft(chat_target, tmp_path, capsys):
     capsys.readouterr()
     assert (
         cli_main(
-            [
-                "train",
-                "--target",
-                str(folder),
-                "--features",
-                str(features),
-                "--output",
-                str(tmp_path / "x"),
-                "--max-steps",
-                "1",
-                "--draft-vocab-size",
-                "auto",
-            ]
+            argv("train", target=folder, features=features, output=tmp_path / "x", max_steps=1, draft_vocab_size="auto")
         )
         == 2
     )
@@ -558,25 +471,17 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     # At 25% the id hash holds out sum-2, -3, -4, -7 and -9: trained on 7, evaluated on 5 every step.
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(out),
-                "--max-steps",
-                "2",
-                "--ttt-length",
-                "2",
-                "--draft-vocab-size",
-                "40",
-                "--held-out-fraction",
-                "0.25",
-                "--eval-steps",
-                "1",
-            ]
+                target=folder,
+                data=data,
+                output=out,
+                max_steps=2,
+                ttt_length=2,
+                draft_vocab_size=40,
+                held_out_fraction="0.25",
+                eval_steps=1,
+            )
         )
         == 0
     )
@@ -586,25 +491,17 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     # `auto` counts the vocabulary on the 7 and measures its coverage on the 5 held out.
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(tmp_path / "auto"),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--draft-vocab-size",
-                "auto",
-                "--held-out-fraction",
-                "0.25",
-                "--tokenize-num-proc",
-                "2",
-            ]
+                target=folder,
+                data=data,
+                output=tmp_path / "auto",
+                max_steps=1,
+                ttt_length=2,
+                draft_vocab_size="auto",
+                held_out_fraction="0.25",
+                tokenize_num_proc=2,
+            )
         )
         == 0
     )
@@ -614,25 +511,17 @@ def test_train_command_held_out_evaluation_and_vocabulary_remap(chat_target, tmp
     larger = tmp_path / "larger"
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                str(folder),
-                "--data",
-                str(data),
-                "--output",
-                str(larger),
-                "--max-steps",
-                "1",
-                "--ttt-length",
-                "2",
-                "--init-draft",
-                str(out),
-                "--draft-vocab-size",
-                "48",
-                "--learning-rate",
-                "0",
-            ]
+                target=folder,
+                data=data,
+                output=larger,
+                max_steps=1,
+                ttt_length=2,
+                init_draft=out,
+                draft_vocab_size=48,
+                learning_rate=0,
+            )
         )
         == 0
     )
@@ -707,27 +596,18 @@ def test_train_command_on_smollm2(tmp_path):
     out = tmp_path / "draft"
     assert (
         cli_main(
-            [
+            argv(
                 "train",
-                "--target",
-                "smollm2",
-                "--data",
-                str(source),
-                "--output",
-                str(out),
-                "--max-steps",
-                "2",
-                "--max-length",
-                "64",
-                "--max-conversations",
-                "4",
-                "--draft-vocab-size",
-                "512",
-                "--ttt-length",
-                "2",
-                "--logging-steps",
-                "1",
-            ]
+                target="smollm2",
+                data=source,
+                output=out,
+                max_steps=2,
+                max_length=64,
+                max_conversations=4,
+                draft_vocab_size=512,
+                ttt_length=2,
+                logging_steps=1,
+            )
         )
         == 0
     )
