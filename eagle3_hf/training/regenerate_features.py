@@ -30,6 +30,7 @@ pass when the run starts.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -111,7 +112,7 @@ class DecodeFeatures:
         """Before each forward of `generate`: ask for the hidden states and every position's logits (generate asks
         for the last position's only), and keep a handle on its cache (for the continuation)."""
         self.cache = kwargs.get(CACHE_KWARG, self.cache)
-        return args, {**kwargs, "output_hidden_states": True, "logits_to_keep": 0}
+        return args, {**kwargs, "output_hidden_states": True, **self.all_logits}
 
     def _record(self, module: Any, args: Any, output: Any) -> None:
         features = select_target_features(output.hidden_states, self.layer_ids)
@@ -125,6 +126,10 @@ class DecodeFeatures:
         self.model, self.input_ids, self.attention_mask = model, input_ids.cpu(), attention_mask.cpu()
         self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.cache = None
+        # A forward without `logits_to_keep` returns every position's logits anyway.
+        self.all_logits = (
+            {"logits_to_keep": 0} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
         handles = [
             model.register_forward_pre_hook(self._ask, with_kwargs=True),
             model.register_forward_hook(self._record),
@@ -188,7 +193,8 @@ class DecodeFeatures:
         positions = torch.tensor(agree)[:, None] + torch.arange(new)  # padding columns get positions too: unread
         for r, w in enumerate(wanted):
             start = width - int(self.attention_mask[r].sum())
-            mask[r, start : start + agree[r]] = 1
+            # A row not stored attends to its prompt, so that no row of the attention is masked whole.
+            mask[r, start : start + agree[r] if w is not None else width] = 1
             mask[r, cached : cached + rest[r]] = 1
             if rest[r]:
                 input_ids[r, : rest[r]] = torch.tensor(w[0][agree[r] :])
