@@ -192,6 +192,11 @@ def test_regenerate_then_train_on_the_features(chat_target, tmp_path, capsys):
     )
     assert "features of their answers in" in capsys.readouterr().out
     assert len(OfflineFeatureDataset(feats)) == 11 and len(OfflineFeatureDataset(held_out)) == 1
+    # What `eagle3-hf features` writes from the answers folder, stored in bf16 by both.
+    for split, saved in (("train", feats), ("held-out", held_out)):
+        again = tmp_path / f"again_{split}"
+        assert cli_main(argv("features", target=folder, data=answers, output=again, split=split, logits_top_k=16)) == 0
+        assert_same_features(OfflineFeatureDataset(saved), OfflineFeatureDataset(again), torch.bfloat16)
     run = tmp_path / "run"
     train = argv(
         "train",
