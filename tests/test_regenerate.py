@@ -12,8 +12,7 @@ from eagle3_hf.training.regenerate import MANIFEST_NAME, list_shards, prompt_rou
 MAX_NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer_dir):
+def tiny_llama(tokenizer_dir, num_hidden_layers=2):
     """A tiny random Llama over SmolLM2's full vocabulary; large init so that its greedy choices are clear-cut."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(0)
@@ -21,7 +20,7 @@ def model(tokenizer_dir):
         vocab_size=len(tokenizer),
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         initializer_range=0.5,
@@ -30,6 +29,11 @@ def model(tokenizer_dir):
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer_dir):
+    return tiny_llama(tokenizer_dir)
 
 
 def conversations(n=5):

@@ -10,6 +10,38 @@ from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_TOP_
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
+def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a features folder stores (`--logits-top-k`, `--layer-ids`, `--storage-dtype`) and which conversations
+    are held out (`--held-out-fraction`): shared by `features` and `regenerate --save-features`."""
+    parser.add_argument(
+        "--logits-top-k",
+        type=int,
+        default=DEFAULT_TOP_K,
+        help="target logits kept per token (the largest, over the full vocabulary, with their ids); "
+        "they serve any draft vocabulary",
+    )
+    parser.add_argument(
+        "--held-out-fraction",
+        type=float,
+        default=DEFAULT_HELD_OUT_FRACTION,
+        help="share of conversations (by id hash) held out; must match training's",
+    )
+    parser.add_argument(
+        "--layer-ids", default=None, help="three comma-separated output_hidden_states indices (default 2,L//2,L-3)"
+    )
+    parser.add_argument("--storage-dtype", default="bfloat16", choices=DTYPES, help="dtype of the features on disk")
+
+
+def parse_layer_ids(text: str | None) -> list[int] | None:
+    """`--layer-ids` "2,4,5" -> [2, 4, 5]; None stays None (the default taps)."""
+    if not text:
+        return None
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layer-ids must be three comma-separated integers, got {text!r}.") from None
+
+
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
     parser.add_argument(
@@ -19,13 +51,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         help="conversations: ShareGPT/messages/Alpaca JSON(L) or folders of shards; several are joined",
     )
     parser.add_argument("--output", required=True, help="folder for the feature shards (resumable)")
-    parser.add_argument(
-        "--logits-top-k",
-        type=int,
-        default=DEFAULT_TOP_K,
-        help="target logits kept per token (the largest, over the full vocabulary, with their ids); "
-        "they serve any draft vocabulary",
-    )
+    add_storage_arguments(parser)
     parser.add_argument(
         "--split",
         choices=SPLITS,
@@ -33,23 +59,18 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         help="train: leave out the held-out conversations (by id hash); held-out: only those (for "
         "`train --eval-features`); all: every one",
     )
-    parser.add_argument(
-        "--held-out-fraction",
-        type=float,
-        default=DEFAULT_HELD_OUT_FRACTION,
-        help="share of conversations (by id hash) held out; must match training's",
-    )
     parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (longer: truncated)")
     add_thinking_argument(parser)
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many (default: all)")
     parser.add_argument(
         "--shard-size", type=int, default=256, help="conversations per shard (the most work an interruption can lose)"
     )
-    parser.add_argument("--batch-size", type=int, default=1, help="conversations per target forward")
     parser.add_argument(
-        "--layer-ids", default=None, help="three comma-separated output_hidden_states indices (default 2,L//2,L-3)"
+        "--batch-size",
+        type=int,
+        default=8,
+        help="conversations per target forward (those of similar lengths together, so little is padding)",
     )
-    parser.add_argument("--storage-dtype", default="bfloat16", choices=DTYPES, help="dtype on disk")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the target runs in")
     parser.add_argument(
         "--device",
@@ -79,12 +100,7 @@ def run_cli(args: argparse.Namespace) -> int:
     check_device(args.device)
     if warning := emulated_bf16_warning(args.dtype, args.device):
         say(f"Warning: {warning}")
-    layer_ids = None
-    if args.layer_ids:
-        try:
-            layer_ids = [int(i) for i in args.layer_ids.split(",")]
-        except ValueError:
-            raise ValueError(f"--layer-ids must be three comma-separated integers, got {args.layer_ids!r}.") from None
+    layer_ids = parse_layer_ids(args.layer_ids)
     select = split_filter(args.split, args.held_out_fraction)
     tokenizer = load_tokenizer(args.target)
     dataset, _ = tokenise_data(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eagle3_hf.commands import add_thinking_argument, say
+from eagle3_hf.commands.features import add_storage_arguments, parse_layer_ids
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +49,26 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--seed", type=int, default=0, help="random seed (sampling)")
     add_thinking_argument(parser)
+    saving = parser.add_argument_group(
+        "features saved while answering (read by `train --features`; equal to what `eagle3-hf features` computes "
+        "from the answers, without a second forward pass)"
+    )
+    saving.add_argument(
+        "--save-features",
+        default=None,
+        metavar="DIR",
+        help="folder for the target's features of the training split's answers (resumable with the answers)",
+    )
+    saving.add_argument(
+        "--save-eval-features",
+        default=None,
+        metavar="DIR",
+        help="folder for those of the held-out split (for `train --eval-features`)",
+    )
+    saving.add_argument(
+        "--features-max-length", type=int, default=2048, help="tokens per conversation stored (longer: cut)"
+    )
+    add_storage_arguments(saving)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -63,9 +84,22 @@ def run_cli(args: argparse.Namespace) -> int:
         regenerate_responses,
         select_conversations,
     )
+    from eagle3_hf.training.regenerate_features import SaveFeatures
     from eagle3_hf.utils.precision import emulated_bf16_warning
 
     check_device(args.device)
+    save_features = None
+    if args.save_features or args.save_eval_features:
+        save_features = SaveFeatures(
+            args.save_features,
+            args.save_eval_features,
+            held_out_fraction=args.held_out_fraction,
+            max_length=args.features_max_length,
+            layer_ids=parse_layer_ids(args.layer_ids),
+            top_k=args.logits_top_k,
+            dtype=getattr(torch, args.storage_dtype),
+            batch_size=args.batch_size,
+        )
     if warning := emulated_bf16_warning(args.dtype, args.device):
         say(f"Warning: {warning}")
     conversations = select_conversations(args.data, args.skip_conversations, args.max_conversations, args.max_rounds)
@@ -103,6 +137,10 @@ def run_cli(args: argparse.Namespace) -> int:
         seed=args.seed,
         fingerprint=fingerprint,
         enable_thinking=args.enable_thinking,
+        save_features=save_features,
     )
     say(f"{len(shards)} shards in {args.output}")
+    for folder in (args.save_features, args.save_eval_features):
+        if folder:
+            say(f"features of their answers in {folder}")
     return 0

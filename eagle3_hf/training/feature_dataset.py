@@ -1,7 +1,7 @@
 """Reading precomputed target features back: the offline training data set over `precompute_features` folders.
 
-The folder layout (manifest, draft vocabulary, atomically written shards) is described in
-`eagle3_hf.training.features`, which writes it; a folder is read only when its manifest names that format and every
+The folder layout (manifest, atomically written shards) is described in `eagle3_hf.training.features`, which writes
+it (`eagle3_hf.training.regenerate_features` writes the same layout while it regenerates answers); a folder is read only when its manifest names that format and every
 shard is present, and several folders are joined only when they tap the same layers and keep as many target logits.
 """
 
@@ -51,9 +51,17 @@ class _FeatureFolder:
             with open_safetensors(shard_path(self.folder, k)):  # a truncated shard fails here, not mid-training
                 pass
         self.offsets: dict[int, list[int]] = {}
+        # Folders written while regenerating hold as many rows per shard as their answers kept ("shard_samples");
+        # `precompute_features` writes `shard_size` rows to each shard but the last.
+        counts = self.manifest.get("shard_samples")
+        self.shard_starts = [0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()] if counts else None
 
     def row(self, index: int) -> dict[str, torch.Tensor]:
-        shard, local = divmod(index, int(self.manifest["shard_size"]))
+        if self.shard_starts is None:
+            shard, local = divmod(index, int(self.manifest["shard_size"]))
+        else:
+            shard = bisect.bisect_right(self.shard_starts, index) - 1
+            local = index - self.shard_starts[shard]
         with safe_open(shard_path(self.folder, shard), framework="pt") as f:
             if shard not in self.offsets:
                 self.offsets[shard] = f.get_tensor("offsets").tolist()

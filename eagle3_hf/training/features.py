@@ -170,6 +170,35 @@ def shard_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"shard_{index:05d}.safetensors")
 
 
+def feature_settings(
+    target: PreTrainedModel,
+    layer_ids: list[int] | None,
+    top_k: int,
+    dtype: torch.dtype,
+    enable_thinking: bool | None,
+) -> dict[str, Any]:
+    """The manifest entries that say what a features folder's rows are (taps, logits kept, storage dtype, target),
+    checked and with defaults filled in: `layer_ids` None is ``[2, L//2, L-3]``, `top_k` is capped at the
+    vocabulary size. Raises `ValueError` naming a bad value."""
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}.")
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}.")
+    text = target.config.get_text_config()
+    layer_ids = list(layer_ids) if layer_ids is not None else default_target_layer_ids(text.num_hidden_layers)
+    if len(layer_ids) != 3 or not all(0 <= i <= text.num_hidden_layers for i in layer_ids):
+        raise ValueError(f"layer_ids must be three indices in [0, {text.num_hidden_layers}], got {layer_ids}.")
+    return {
+        "layer_ids": layer_ids,
+        "target_hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "logits_top_k": min(top_k, text.vocab_size),
+        "dtype": next(k for k, v in _DTYPES.items() if v == dtype),
+        "target": getattr(target.config, "_name_or_path", None) or None,
+        "enable_thinking": enable_thinking,
+    }
+
+
 def precompute_features(
     target: PreTrainedModel,
     dataset: Iterable[Mapping],
@@ -190,7 +219,8 @@ def precompute_features(
         top_k: target logits kept per position: the `top_k` largest over the full vocabulary, with their ids
             (capped at the vocabulary size). Train with the same `logits_top_k` online for the same soft labels.
         dtype: storage dtype of taps and logits (bfloat16 halves the disk; float32 reproduces online features).
-        batch_size: rows per target forward (right-padded; each row is stored at its own length).
+        batch_size: rows per target forward (rows of similar lengths together, right-padded; each row is stored at
+            its own length).
         enable_thinking: the chat template's thinking switch the rows were rendered with (None: its default),
             recorded in the manifest for `eagle3-hf train` to record in turn; the rows' fingerprint already tells
             their data apart, so a rerun is not checked against it.
@@ -213,39 +243,31 @@ def precompute_features(
     torch.Size([412, 1728])
     ```
     """
-    for name, value in (("shard_size", shard_size), ("batch_size", batch_size), ("top_k", top_k)):
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}.")
     output_dir = os.fspath(output_dir)
-    text = target.config.get_text_config()
-    vocab, hidden = text.vocab_size, text.hidden_size
-    layer_ids = list(layer_ids) if layer_ids is not None else default_target_layer_ids(text.num_hidden_layers)
-    if len(layer_ids) != 3 or not all(0 <= i <= text.num_hidden_layers for i in layer_ids):
-        raise ValueError(f"layer_ids must be three indices in [0, {text.num_hidden_layers}], got {layer_ids}.")
-    top_k = min(top_k, vocab)
+    settings = feature_settings(target, layer_ids, top_k, dtype, enable_thinking)
+    layer_ids, top_k, hidden, dtype_name = (
+        settings["layer_ids"],
+        settings["logits_top_k"],
+        settings["target_hidden_size"],
+        settings["dtype"],
+    )
     rows = _TokenRows(dataset)
     digest, lengths = hashlib.sha256(), []  # one streaming pass: row lengths and a fingerprint of the data
     for index in range(len(rows)):
         ids, mask = rows[index]
         lengths.append(len(ids))
-        digest.update(torch.tensor(ids + [-1] + mask, dtype=torch.int64).numpy().tobytes())
-    dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
+        row_digest(digest, ids, mask)
     manifest = {
         "format": FEATURES_FORMAT,
         "num_samples": len(rows),
         "num_tokens": sum(lengths),
         "shard_size": shard_size,
         "num_shards": math.ceil(len(rows) / shard_size),
-        "layer_ids": layer_ids,
-        "target_hidden_size": hidden,
-        "vocab_size": vocab,
-        "logits_top_k": top_k,
-        "dtype": dtype_name,
-        "target": getattr(target.config, "_name_or_path", None) or None,
+        **settings,
         "fingerprint": digest.hexdigest(),
-        "enable_thinking": enable_thinking,
     }
     has_manifest = check_manifest(output_dir, MANIFEST_NAME, manifest, "features", ignore=("target", "enable_thinking"))
     if not has_manifest and os.path.isdir(output_dir) and any(n.startswith("shard_") for n in os.listdir(output_dir)):
@@ -276,11 +298,6 @@ def precompute_features(
     os.makedirs(output_dir, exist_ok=True)
     if rank == 0 and not has_manifest:
         write_manifest(output_dir, MANIFEST_NAME, manifest)  # a manifest means the folder is set up
-    device = next(target.parameters()).device
-
-    def taps(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return select_target_features(hidden_states, layer_ids)
-
     for name in os.listdir(output_dir):
         if rank == 0 and name.startswith(".shard_") and name.endswith(".tmp"):
             os.remove(os.path.join(output_dir, name))  # left by a killed run
@@ -291,11 +308,97 @@ def precompute_features(
         # Process r of n writes every n-th missing shard: shards are named by their place in the data set, so the
         # folder is the same whichever process wrote which shard.
         mine = pending[rank::world_size]
-        _write_shards(target, rows, spans, mine, output_dir, taps, top_k, dtype, batch_size, device)
+        _write_shards(target, rows, spans, mine, output_dir, layer_ids, top_k, dtype, batch_size)
     finally:
         target.train(was_training)
     barrier()  # the folder is complete when any process returns
     return [shard_path(output_dir, k) for k in range(len(spans))]
+
+
+def row_digest(digest: Any, ids: list[int], mask: list[int]) -> None:
+    """Add one row to a folder's fingerprint (sha256 over every row's ids, -1, loss mask, in order)."""
+    digest.update(torch.tensor([*ids, -1, *mask], dtype=torch.int64).numpy().tobytes())
+
+
+def prefill_rows(
+    target: PreTrainedModel,
+    rows: list[tuple[list[int], list[int]]],
+    layer_ids: list[int],
+    top_k: int,
+    dtype: torch.dtype,
+    batch_size: int,
+    progress: Any = None,
+) -> list[dict[str, torch.Tensor]]:
+    """The features of token rows ``(input_ids, loss_mask)``, one dict per row in the given order (`feature_row`'s
+    keys), from batched target forwards: rows of similar lengths share a batch (right-padded) so that little of it is
+    padding. `progress` (a tqdm bar) advances by the rows of each batch."""
+    device = next(target.parameters()).device
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))  # similar lengths together: less padding
+    out: list[dict[str, torch.Tensor] | None] = [None] * len(rows)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        width = max(len(rows[i][0]) for i in chunk)
+        input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros(len(chunk), width, dtype=torch.long)
+        for r, i in enumerate(chunk):
+            input_ids[r, : len(rows[i][0])] = torch.tensor(rows[i][0])
+            attention[r, : len(rows[i][0])] = 1
+        features, top_logits, top_ids = _target_forward(
+            target,
+            input_ids.to(device),
+            attention.to(device) if len(chunk) > 1 else None,
+            lambda hidden_states: select_target_features(hidden_states, layer_ids),
+            top_k,
+        )
+        for r, i in enumerate(chunk):
+            n = len(rows[i][0])
+            out[i] = feature_row(*rows[i], features[r, :n], top_logits[r, :n], top_ids[r, :n], dtype)
+        if progress is not None:
+            progress.update(len(chunk))
+    return out  # type: ignore[return-value]
+
+
+def feature_row(
+    ids: list[int],
+    mask: list[int],
+    features: torch.Tensor,
+    top_logits: torch.Tensor,
+    top_ids: torch.Tensor,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """One stored row: its tokens, loss mask, taps and top-k logits (in the storage `dtype`) and int32 top-k ids."""
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.int64),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "features": features.to("cpu", dtype),
+        "top_logits": top_logits.to("cpu", dtype),
+        "top_ids": top_ids.to("cpu", torch.int32),
+    }
+
+
+def write_feature_shard(
+    output_dir: str, index: int, rows: list[dict[str, torch.Tensor]], first_sample: int, empty: dict[str, Any]
+) -> str:
+    """Write `rows` (`feature_row` dicts) as shard `index`, whole or not at all (a temporary name renamed). A shard
+    without rows (possible in `eagle3_hf.training.regenerate_features` folders) holds empty tensors shaped by
+    `empty` (``{"width": 3*Ht, "top_k": k, "dtype": storage dtype}``)."""
+    if rows:
+        tensors = {key: torch.cat([row[key] for row in rows]).contiguous() for key in rows[0]}
+    else:
+        tensors = {
+            "input_ids": torch.zeros(0, dtype=torch.int64),
+            "loss_mask": torch.zeros(0, dtype=torch.uint8),
+            "features": torch.zeros(0, empty["width"], dtype=empty["dtype"]),
+            "top_logits": torch.zeros(0, empty["top_k"], dtype=empty["dtype"]),
+            "top_ids": torch.zeros(0, empty["top_k"], dtype=torch.int32),
+        }
+    lengths = [row["input_ids"].numel() for row in rows]
+    tensors["offsets"] = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
+    temporary = os.path.join(output_dir, f".shard_{index:05d}.tmp")
+    save_file(tensors, temporary, metadata={"first_sample": str(first_sample), "num_samples": str(len(rows))})
+    path = shard_path(output_dir, index)
+    replace_path(temporary, path)  # atomic: a shard exists whole or not at all
+    return path
 
 
 def _write_shards(
@@ -304,44 +407,14 @@ def _write_shards(
     spans: list[tuple[int, int]],
     pending: list[int],
     output_dir: str,
-    taps: Callable[[tuple[torch.Tensor, ...]], torch.Tensor],
+    layer_ids: list[int],
     top_k: int,
     dtype: torch.dtype,
     batch_size: int,
-    device: torch.device,
 ) -> None:
     pending_samples = sum(spans[k][1] - spans[k][0] for k in pending)
     with tqdm(total=pending_samples, unit="sample", desc="Precomputing target features") as progress:
         for k in pending:
-            ids_out, mask_out, feats_out, logits_out, top_ids_out, lengths = [], [], [], [], [], []
-            for start in range(spans[k][0], spans[k][1], batch_size):
-                chunk = [rows[i] for i in range(start, min(start + batch_size, spans[k][1]))]
-                width = max(len(ids) for ids, _ in chunk)
-                input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
-                attention = torch.zeros(len(chunk), width, dtype=torch.long)
-                for r, (ids, _) in enumerate(chunk):
-                    input_ids[r, : len(ids)] = torch.tensor(ids)
-                    attention[r, : len(ids)] = 1
-                features, top_logits, top_ids = _target_forward(
-                    target, input_ids.to(device), attention.to(device) if len(chunk) > 1 else None, taps, top_k
-                )
-                for r, (ids, mask) in enumerate(chunk):
-                    n = len(ids)
-                    ids_out.append(torch.tensor(ids, dtype=torch.int64))
-                    mask_out.append(torch.tensor(mask, dtype=torch.uint8))
-                    feats_out.append(features[r, :n].to("cpu", dtype))
-                    logits_out.append(top_logits[r, :n].to("cpu", dtype))
-                    top_ids_out.append(top_ids[r, :n].to("cpu", torch.int32))
-                    lengths.append(n)
-                progress.update(len(chunk))
-            tensors = {
-                "input_ids": torch.cat(ids_out),
-                "loss_mask": torch.cat(mask_out),
-                "features": torch.cat(feats_out).contiguous(),
-                "top_logits": torch.cat(logits_out).contiguous(),
-                "top_ids": torch.cat(top_ids_out).contiguous(),
-                "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
-            }
-            temporary = os.path.join(output_dir, f".shard_{k:05d}.tmp")
-            save_file(tensors, temporary, metadata={"first_sample": str(spans[k][0]), "num_samples": str(len(lengths))})
-            replace_path(temporary, shard_path(output_dir, k))  # atomic: a shard exists whole or not at all
+            chunk = [rows[i] for i in range(*spans[k])]
+            computed = prefill_rows(target, chunk, layer_ids, top_k, dtype, batch_size, progress)
+            write_feature_shard(output_dir, k, computed, spans[k][0], {})

@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from eagle3_hf.modeling.chat_template import apply_chat_template, thinking_mismatch
 from eagle3_hf.training.data import as_conversations, read_conversations
 from eagle3_hf.training.manifest import check_manifest, write_manifest
+from eagle3_hf.training.regenerate_features import RegeneratedFeatures, SaveFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +170,19 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list
 
 
 def _generate_batch(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], generate_kwargs: dict
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    generate_kwargs: dict,
+    features: RegeneratedFeatures | None = None,
 ) -> list[str]:
     padded = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
     input_ids = padded["input_ids"].to(model.device)
     attention_mask = padded["attention_mask"].to(model.device)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+    if features is None:
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+    else:  # the same generation, its forwards recorded
+        output = features.decode.generate(model, input_ids, attention_mask, generate_kwargs)
     new_tokens = output[:, input_ids.shape[1] :]
     return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
@@ -188,8 +196,10 @@ def _regenerate_shard(
     generate_kwargs: dict,
     progress: tqdm,
     enable_thinking: bool | None = None,
+    features: RegeneratedFeatures | None = None,
 ) -> list[dict]:
-    """Answer every round of every conversation, one round at a time across the shard so that answers batch."""
+    """Answer every round of every conversation, one round at a time across the shard so that answers batch;
+    `features` keeps the latest round's features of each conversation."""
     rounds = [prompt_rounds(c["messages"]) for c in conversations]
     histories: list[list[dict]] = [[] for _ in conversations]
     active = [bool(r) for r in rounds]
@@ -212,9 +222,11 @@ def _regenerate_shard(
         queue.sort(key=lambda item: item[0])  # similar lengths together: less padding
         for start in range(0, len(queue), batch_size):
             batch = queue[start : start + batch_size]
-            answers = _generate_batch(model, tokenizer, [ids for _, _, ids in batch], generate_kwargs)
+            answers = _generate_batch(model, tokenizer, [ids for _, _, ids in batch], generate_kwargs, features)
             for (_, i, _), answer in zip(batch, answers):
                 histories[i] += rounds[i][step] + [{"role": "assistant", "content": answer}]
+            if features is not None:
+                features.keep([{"id": conversations[i]["id"], "messages": histories[i]} for _, i, _ in batch])
             progress.update(len(batch))
     return [
         {
@@ -252,6 +264,7 @@ def regenerate_responses(
     seed: int = 0,
     fingerprint: str | None = None,
     enable_thinking: bool | None = None,
+    save_features: SaveFeatures | None = None,
 ) -> list[str]:
     """Regenerate the assistant turns of `conversations` with `model`; return the paths of all complete shards.
 
@@ -271,6 +284,11 @@ def regenerate_responses(
         enable_thinking: the chat template's thinking switch for the prompts (`eagle3_hf.modeling.chat_template`;
             None: the template's default), recorded in the manifest so that training can check it renders the
             answers the same way.
+        save_features: also save the target's features of the answers (`SaveFeatures`: a folder for the training
+            split, one for the held-out split), taken from the generation's own forward passes
+            (`eagle3_hf.training.regenerate_features`), equal to what `eagle3-hf features` computes from the
+            answers folder. A features shard is written with each answers shard; answers written earlier without
+            features get theirs from one batched prefill when the run starts.
 
     The tokenizer's padding side is set to left (and its pad token to eos when it has none) during the call.
     """
@@ -318,6 +336,12 @@ def regenerate_responses(
             "Resuming: %d conversations already in %d shards, %d to go.", len(done), len(existing), len(pending)
         )
 
+    features = None
+    if save_features is not None:
+        features = RegeneratedFeatures(
+            save_features, model, tokenizer, _eos_ids(model, tokenizer), enable_thinking, output_dir
+        )
+        features.start(existing, shard_size, save_features.batch_size)
     generate_kwargs: dict = {
         "max_new_tokens": max_new_tokens,
         "do_sample": do_sample,
@@ -347,9 +371,14 @@ def regenerate_responses(
                         generate_kwargs,
                         progress,
                         enable_thinking,
+                        features,
                     )
                 if records:
+                    if features is not None:  # before its answers: a kill between the two redoes the shard
+                        features.write(next_index, records, shard_size)
                     written.append(_write_shard(output_dir, next_index, records))
+                    if features is not None:
+                        features.written()
                     next_index += 1
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved_side, saved_pad
