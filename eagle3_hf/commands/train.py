@@ -377,9 +377,8 @@ def _thinking_info(args: argparse.Namespace, dataset: Any, offline: bool) -> dic
 
 def run_cli(args: argparse.Namespace) -> int:
     check_train_arguments(args)
-    checkpoint = args.resume_from_checkpoint
-    if args.resume and checkpoint is None:
-        checkpoint = resume_checkpoint(args)  # before anything is loaded: it may refuse
+    # before anything is loaded: it may refuse; --resume-from-checkpoint is checked as --resume is
+    checkpoint = resume_checkpoint(args) if args.resume or args.resume_from_checkpoint is not None else None
     import torch
     from transformers.trainer_utils import set_seed
 
