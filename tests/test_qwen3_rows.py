@@ -4,12 +4,15 @@ in every thinking setting; the template's empty think block never is."""
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
+from cli_argv import argv
 from qwen3_template import QWEN3_TEMPLATE
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.corpus import answer_spans
 from eagle3_hf.training.data import build_dataset, read_conversations, tokenize_conversation_rows
 from eagle3_hf.training.regenerate import regenerate_responses
@@ -177,22 +180,51 @@ def test_regenerated_answers_train_as_the_target_wrote_them(qwen3_tokenizer, tmp
     assert supervised == [tok(text, add_special_tokens=False)["input_ids"] for text in generated]
 
 
-def test_sharegpt_slice_end_to_end(chat_target, tmp_path, capsys):
-    """regenerate -> train -> evaluate with the Qwen3-behaving template on the tiny chat target."""
-    import shutil
-
-    from cli_argv import argv
-
-    from eagle3_hf.cli import main as cli_main
-
+@pytest.fixture(scope="module")
+def qwen3_target(chat_target, tmp_path_factory):
+    """The tiny chat target with the Qwen3-behaving template, and its ShareGPT data."""
     source, data = chat_target
-    folder = tmp_path / "target"
+    folder = tmp_path_factory.mktemp("qwen3_target") / "target"
     shutil.copytree(source, folder)
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = QWEN3_TEMPLATE
     config_path.write_text(json.dumps(config))
     (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return folder, data
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_bench_and_generate_prompt_the_target_as_regenerate_does(qwen3_target, tmp_path, monkeypatch, setting):
+    from eagle3_hf.bench.runner import read_prompts
+    from eagle3_hf.modeling import chat_template
+
+    folder, _ = qwen3_target
+    tok = AutoTokenizer.from_pretrained(folder)
+    question = [{"role": "user", "content": "what is one plus two?"}]
+    expected = prompt(tok, question, setting)
+    assert expected.endswith("<|im_start|>assistant\n" + (EMPTY_BLOCK if setting is False else ""))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": question[0]["content"]}) + "\n")
+    (ids,) = read_prompts(str(path), tok, None, enable_thinking=setting)
+    assert tok.decode(ids[0]) == expected
+    rendered, render = [], chat_template.apply_chat_template
+
+    def spy(tokenizer, messages, **kwargs):
+        out = render(tokenizer, messages, **kwargs)
+        rendered.append(tokenizer.decode(out["input_ids"][0]))
+        return out
+
+    monkeypatch.setattr(chat_template, "apply_chat_template", spy)
+    flag = {} if setting is None else {"enable_thinking" if setting else "no_enable_thinking": True}
+    args = argv("generate", target=folder, draft="random", prompt=question[0]["content"], max_new_tokens=2, **flag)
+    assert cli_main([*args, "--dtype", "float32", "--repeats", "1", "--repeat-tokens", "1", "--threads", "1"]) == 0
+    assert rendered == [expected]
+
+
+def test_sharegpt_slice_end_to_end(qwen3_target, tmp_path, capsys):
+    """regenerate -> train -> evaluate with the Qwen3-behaving template on the tiny chat target."""
+    folder, data = qwen3_target
     two_turns = []
     for line in data.read_text().splitlines()[:5]:  # five distinct questions
         record = json.loads(line)
