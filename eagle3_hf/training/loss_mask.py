@@ -176,8 +176,9 @@ def render_rows(
 ) -> tuple[list[Rendering], int]:
     """The rows a conversation trains as (see the module docstring), in turn order, and how many answers had their
     reasoning dropped. One row, the whole conversation, where the template renders every answer there as its own
-    turn did; else the fewest rows such that each answer is supervised once, in a row that holds it as its prompt
-    led to it. `enable_thinking`: see `eagle3_hf.modeling.chat_template`."""
+    turn did; else each row ends with the latest answer not yet supervised and supervises every answer it holds as
+    that answer's own prompt led to it, so that each answer is supervised once. `enable_thinking`: see
+    `eagle3_hf.modeling.chat_template`."""
     answers = {
         i: _answer(tokenizer, messages, i, enable_thinking)
         for i, message in enumerate(messages)
