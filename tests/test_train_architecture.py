@@ -353,6 +353,9 @@ def test_resume_checks_pass_what_the_checkpoint_holds(interrupted, tmp_path, cap
         check_train_arguments(args)
         assert resume_checkpoint(args) == str(checkpoint)
         assert args.num_hidden_layers == 2 and args.target_layer_ids == [1, 2, 3]  # the checkpoint's
+    args = parse_cli([*common, "--resume-from-checkpoint", str(checkpoint), "--overwrite-output-dir"])
+    with pytest.raises(ValueError, match="lies in --output-dir, whose checkpoints --overwrite-output-dir removes"):
+        check_train_arguments(args)
     args = parse_cli([*common, "--resume-from-checkpoint", str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="--resume-from-checkpoint .*missing': no such folder"):
         resume_checkpoint(args)

@@ -105,6 +105,11 @@ def check_train_arguments(args: argparse.Namespace) -> None:
     if args.vocab and not os.path.isfile(args.vocab):
         raise ValueError(f"--vocab {args.vocab!r}: no such file (write one with `eagle3-hf vocab`).")
     resumed_here = args.resume_from_checkpoint is not None and _inside(args.resume_from_checkpoint, args.output_dir)
+    if resumed_here and args.overwrite_output_dir:
+        raise ValueError(
+            f"--resume-from-checkpoint {args.resume_from_checkpoint} lies in --output-dir, whose checkpoints "
+            "--overwrite-output-dir removes: pick one."
+        )
     check_output_dir(
         args.output_dir, args.overwrite_output_dir or args.resume or resumed_here, "--output-dir", resumable=True
     )
