@@ -707,7 +707,10 @@ def test_unknown_layout_and_missing_files(tmp_path, target):
 def test_exports_refuse_what_the_layout_cannot_express(tmp_path, target):
     with pytest.raises(ValueError, match="official/SpecForge layout cannot express.*norm_before_residual=True"):
         save_eagle(randomized_draft(target, norm_before_residual=True), tmp_path / "a")
-    with pytest.raises(ValueError, match=r"norm_before_fc=True \(vLLM applies it, but SGLang and SpecForge"):
+    with pytest.raises(
+        ValueError,
+        match=r"norm_before_fc=True \(vLLM and SGLang since its PR #32334 apply it, but SpecForge has no such norm",
+    ):
         save_eagle(randomized_draft(target, norm_before_fc=True), tmp_path / "b")
     with pytest.raises(ValueError, match="speculators layout cannot express.*layer_type='mistral'"):
         save_speculators(randomized_draft(target, layer_type="mistral"), tmp_path / "c")

@@ -14,6 +14,7 @@ from eagle3_hf.training.data import (
     normalize_messages,
     read_conversations,
     tokenize_conversation,
+    tokenize_conversation_rows,
 )
 from eagle3_hf.training.tokenise import tokenise_data
 
@@ -283,15 +284,31 @@ def test_no_chat_template_is_an_error(tokenizer):
         build_dataset([{"messages": CONVERSATION}], tokenizer, max_length=64)
 
 
-def test_template_that_rewrites_history_is_an_error(tokenizer):
-    # Earlier assistant turns are shortened once a later turn exists (as reasoning templates do with thoughts).
+def test_template_that_rewrites_history_trains_one_row_per_answer(tokenizer):
+    # Earlier assistant turns are shortened once a later turn exists (as reasoning templates do with thoughts): each
+    # answer is supervised in a row that ends with it, the conversation as the target saw it then.
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '[A]' }}"
-        "{% else %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+        "{% else %}{{ m['role'] + ':\n' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}"
     )
-    with pytest.raises(ValueError, match=r"not prefix-stable.*generation %\}"):
+    with pytest.raises(ValueError, match="trains as 2 rows"):
         tokenize_conversation(tokenizer, CONVERSATION, max_length=4096)
+    rows = tokenize_conversation_rows(tokenizer, CONVERSATION, max_length=4096)
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert [supervised_spans(tokenizer, row) for row in rows] == [[answer + "\n"] for answer in answers]
+    assert "[A]" in tokenizer.decode(rows[1]["input_ids"]) and "[A]" not in tokenizer.decode(rows[0]["input_ids"])
+    dataset, stats = build_dataset([{"id": "c", "messages": CONVERSATION}], tokenizer, max_length=4096)
+    assert dataset["id"] == ["c", "c"] and stats.rows == 2 and stats.conversations_kept == 1
+
+
+def test_template_whose_answer_does_not_extend_its_prompt_is_an_error(tokenizer):
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'bot: ' }}{% endif %}"
+    )
+    with pytest.raises(ValueError, match=r"does not extend the prompt of that turn.*generation %\}"):
+        tokenize_conversation_rows(tokenizer, CONVERSATION, max_length=4096)
 
 
 def test_truncation_cuts_tokens_and_mask_together(tokenizer):

@@ -50,7 +50,7 @@ def refusal(layout, flags):
     if layout == "eagle" and flags["norm_before_residual"]:
         return r"norm_before_residual=True \(vLLM applies it, SGLang and SpecForge do not"
     if layout == "eagle" and flags["norm_before_fc"]:
-        return r"norm_before_fc=True \(vLLM applies it, but SGLang and SpecForge have no such norm"
+        return r"norm_before_fc=True \(vLLM and SGLang since its PR #32334 apply it, but SpecForge has no such norm"
     return None
 
 
@@ -162,9 +162,22 @@ def test_norm_output_reads_as_the_servers_read_it(tmp_path, target):
 
     for name, value in (("absent", None), ("false", False)):
         path, w, s = official(tmp_path, target, name, edit=None if value is None else set_norm_output(value))
-        with no_warnings():
-            draft = load(path, target)
-        assert draft.config.norm_output is False  # EAGLE-3 to every reader of every version
+        if value is None:
+            with no_warnings():
+                draft = load(path, target)  # absent: EAGLE-3 to every reader of every version
+        else:
+            # An explicit false: EAGLE-3 to the servers, an lm_head over the un-normed state to SpecForge before
+            # its PR #879, which nothing here builds: loaded as the servers read it, the other reading named.
+            with pytest.warns(
+                UserWarning,
+                match=r"norm_output=False: read as norm_output=False, the way vLLM, SGLang, TensorRT-LLM and "
+                r"SpecForge since its PR #879 \(EAGLE-3.*SpecForge from July 2026 until its PR #879 read it as "
+                r"lm_head over the un-normed state",
+            ):
+                draft = load(path, target)
+            with no_warnings():
+                assert load(path, target, norm_output=False).config.norm_output is False  # chosen: no warning
+        assert draft.config.norm_output is False
         w["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
         check_against_reference(draft, w, s)
     path, w, s = official(tmp_path, target, "true", edit=set_norm_output(True), fc_norm=True)
@@ -287,8 +300,8 @@ def test_fusion_norms_read_as_the_servers_read_them(tmp_path, target):
         path, w, s = official(tmp_path, target, name, edit=edit, norm_before_fc=True)
         with pytest.warns(
             UserWarning,
-            match=r"norm_before_fc: true, which vLLM applies.*SGLang runs this draft "
-            r"without it",
+            match=r"norm_before_fc: true, which vLLM and SGLang since its PR #32334 apply.*SpecForge has no such "
+            r"norm and SGLang before that PR drops it",
         ):
             draft = load(path, target)
         check_against_reference(draft, {**w, "embed_tokens.weight": embedding}, s)
@@ -330,6 +343,26 @@ def test_the_speculators_layout_refuses_what_its_readers_run_apart(tmp_path, tar
     config = {**external_config(s), "num_aux_hidden_states": 4}
     with pytest.raises(ValueError, match=r"num_aux_hidden_states=4; eagle3_hf drafts fuse exactly 3"):
         Eagle3DraftModel.from_pretrained(write_checkpoint(tmp_path / "four", config, draft_weights(s, target), s))
+
+
+def test_a_speculators_config_without_norm_before_residual_reads_as_vllm_does(tmp_path, target):
+    # vLLM defaults the field to True for this layout (speculators' own class to False): loaded as vLLM runs it.
+    s = spec(layout="speculators", nbr=True, embed="target")
+    config = external_config(s)
+    del config["norm_before_residual"]
+    w = draft_weights(s, target)
+    path = write_checkpoint(tmp_path / "spec", config, w, s)
+    with pytest.warns(
+        UserWarning,
+        match=r"speculators config has no norm_before_residual: read as norm_before_residual=True .*the way vLLM "
+        r"reads it; speculators' own config class defaults to False",
+    ):
+        draft = Eagle3DraftModel.from_pretrained(path)
+    assert draft.config.norm_before_residual is True
+    check_against_reference(draft, w, s)  # the normed residual, as vLLM computes it
+    with no_warnings():  # stated: read as written, and every export states it
+        save_speculators(draft, tmp_path / "again")
+        assert Eagle3DraftModel.from_pretrained(tmp_path / "again").config.norm_before_residual is True
 
 
 def test_a_reading_a_checkpoint_states_one_way_must_agree(tmp_path, target):

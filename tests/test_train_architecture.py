@@ -273,19 +273,48 @@ def test_resume_rebuilds_the_draft_from_the_checkpoint(chat_target, interrupted,
         assert not all(torch.equal(n.weight, torch.ones_like(n.weight)) for n in resumed.fc_norm)
 
 
+def vocab_file(folder, checkpoint, ids):
+    """A `--vocab` file holding the target ids `ids`."""
+    from eagle3_hf.training.vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab
+
+    counts = torch.zeros(load_draft_vocab(checkpoint).target_vocab_size, dtype=torch.long)
+    counts[list(ids)] = 1
+    path = folder / f"vocab-{len(ids)}.safetensors"
+    save_draft_vocab(path, build_draft_vocab(counts, counts.numel(), len(ids)))
+    return path
+
+
+# The three ways to resume, each as (options, the flag its refusal names): the same check for all.
+RESUMES = {
+    "resume": (lambda ckpt: ["--resume"], "--resume"),
+    "from-checkpoint": (lambda ckpt: ["--resume-from-checkpoint", ckpt], "--resume-from-checkpoint"),
+    "both": (lambda ckpt: ["--resume", "--resume-from-checkpoint", ckpt], "--resume-from-checkpoint"),
+}
+
+
+@pytest.mark.parametrize("how", RESUMES)
 @pytest.mark.parametrize(
     "option, fragments",
     [
-        (["--fc-norm", "false"], ["fc_norm=True, but --fc-norm is false"]),
-        (["--norm-output", "false"], ["norm_output=True, but --norm-output is false"]),
-        (["--norm-before-fc"], ["norm_before_fc=False, but --norm-before-fc is true"]),
+        (["--fc-norm", "false"], ["a draft with fc_norm=True, but --fc-norm is false"]),
+        (["--norm-output", "false"], ["a draft with norm_output=True, but --norm-output is false"]),
+        (["--norm-before-fc"], ["a draft with norm_before_fc=False, but --norm-before-fc is true"]),
         (["--target-layer-ids", "2,4,5"], ["target_layer_ids=[1, 2, 3], but --target-layer-ids is 2,4,5"]),
         (["--num-hidden-layers", "1"], ["num_hidden_layers=2, but --num-hidden-layers is 1"]),
         (["--draft-vocab-size", "80"], ["draft_vocab_size=64, but --draft-vocab-size is 80"]),
+        (["--vocab", 40], ["a draft vocabulary of 64 ids, but --vocab", "holds 40"]),
+        (["--vocab", 64], ["a draft vocabulary whose id 0 is target id 0, but in --vocab", "it is target id 100"]),
+        (["--loss", "tv"], ["a draft trained with --loss forward_kl, but this run's --loss is tv"]),
     ],
 )
-def test_resume_refuses_an_option_that_contradicts_the_checkpoint(chat_target, interrupted, capsys, option, fragments):
+def test_resume_refuses_an_option_that_contradicts_the_checkpoint(
+    chat_target, interrupted, tmp_path, capsys, how, option, fragments
+):
     folder, data = chat_target
+    checkpoint = interrupted / "checkpoint-2"
+    if option[0] == "--vocab":  # ids 100.. : none of them the checkpoint's first id (the draft's vocabulary is 0..63)
+        option = ["--vocab", vocab_file(tmp_path, checkpoint, range(100, 100 + option[1]))]
+    resume, flag = RESUMES[how]
     before = snapshot(interrupted)
     code, _, err = run(
         capsys,
@@ -300,14 +329,54 @@ def test_resume_refuses_an_option_that_contradicts_the_checkpoint(chat_target, i
         "2",
         "--max-steps",
         "3",
-        "--resume",
+        *resume(checkpoint),
         *option,
     )
-    assert_clean_error(
-        code,
-        err,
-        f"--resume: {interrupted / 'checkpoint-2'} holds a draft with",
-        *fragments,
-        "leave " + option[0] + " out to continue that run",
-    )
+    keep = "give the checkpoint's value" if option[0] == "--loss" else f"leave {option[0]} out"
+    assert_clean_error(code, err, f"{flag}: {checkpoint} holds", *fragments, keep + " to continue that run")
     assert snapshot(interrupted) == before  # refused before anything loaded or was written
+
+
+def test_resume_checks_pass_what_the_checkpoint_holds(interrupted, tmp_path, capsys):
+    """The checkpoint's own vocabulary, restated options and its loss pass; a checkpoint folder that is not one is
+    named."""
+    from eagle3_hf.commands.train import parse_cli
+    from eagle3_hf.commands.train_checks import check_train_arguments, resume_checkpoint
+    from eagle3_hf.training.vocab import load_draft_vocab, save_draft_vocab
+
+    checkpoint = interrupted / "checkpoint-2"
+    own = tmp_path / "own.safetensors"
+    save_draft_vocab(own, load_draft_vocab(checkpoint))
+    common = ["--target", "t", "--data", "d", "--output", str(interrupted), "--max-steps", "2"]
+    for resume in (["--resume"], ["--resume-from-checkpoint", str(checkpoint)]):
+        args = parse_cli([*common, *resume, "--vocab", str(own), "--fc-norm", "--loss", "forward_kl"])
+        check_train_arguments(args)
+        assert resume_checkpoint(args) == str(checkpoint)
+        assert args.num_hidden_layers == 2 and args.target_layer_ids == [1, 2, 3]  # the checkpoint's
+    args = parse_cli([*common, "--resume-from-checkpoint", str(checkpoint), "--overwrite-output-dir"])
+    with pytest.raises(ValueError, match="lies in --output-dir, whose checkpoints --overwrite-output-dir removes"):
+        check_train_arguments(args)
+    args = parse_cli([*common, "--resume-from-checkpoint", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--resume-from-checkpoint .*missing': no such folder"):
+        resume_checkpoint(args)
+
+
+def test_resuming_to_more_steps_says_what_the_schedule_does(chat_target, tmp_path, capsys):
+    folder, data = chat_target
+    out = tmp_path / "run"
+    common = ["--lr-scheduler-type", "cosine", "--learning-rate", "1e-3", "--save-steps", "1", "--logging-steps", "1"]
+    code, _, err = train(capsys, chat_target, out, "--max-steps", "2", *common)
+    assert code == 0, err
+    code, text, err = train(capsys, chat_target, out, "--max-steps", "4", "--resume", *common)
+    assert code == 0, err
+    assert (
+        f"Warning: {out / 'checkpoint-2'} ended its cosine schedule of 2 steps, and this run goes to --max-steps 4"
+        in text
+    )
+    assert "step 3 runs at the rate it had reached" in text and "--init-draft" in text
+    rates = {
+        log["step"]: log["learning_rate"]
+        for log in json.loads((out / "trainer_state.json").read_text())["log_history"]
+        if "learning_rate" in log
+    }
+    assert rates[3] == 0 < rates[4]  # what the warning says: the old schedule's end, then the stretched one

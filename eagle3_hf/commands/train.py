@@ -6,7 +6,7 @@ The options are an `HfArgumentParser` over `Eagle3TrainingArguments` (every `tra
 them, required ones included. `--help` lists ours without importing transformers; `--help-all` lists everything.
 
 The output folder is never overwritten by accident: an existing non-empty one needs `--resume` (continue from its
-last complete checkpoint; see `train_checks`) or `--overwrite-output-dir` (start afresh: its earlier checkpoints are
+last complete checkpoint, or from `--resume-from-checkpoint DIR`, checked the same way; see `train_checks`) or `--overwrite-output-dir` (start afresh: its earlier checkpoints are
 removed once training begins, after every input has been checked); checkpoints are written whole
 (`eagle3_hf.training.checkpointing`) and the final draft is written to a temporary folder and its files renamed
 into place.
@@ -139,7 +139,13 @@ class TrainCommandArguments:
     dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata={"help": "target dtype and mixed precision of the draft (master weights fp32)"}
     )
-    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint in --output-dir"})
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "continue from the last checkpoint in --output-dir (--resume-from-checkpoint DIR: from that one; "
+            "options that contradict the checkpoint are refused either way)"
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "start afresh in a non-empty --output-dir (its checkpoints are removed)"}
     )
@@ -377,9 +383,8 @@ def _thinking_info(args: argparse.Namespace, dataset: Any, offline: bool) -> dic
 
 def run_cli(args: argparse.Namespace) -> int:
     check_train_arguments(args)
-    checkpoint = args.resume_from_checkpoint
-    if args.resume and checkpoint is None:
-        checkpoint = resume_checkpoint(args)  # before anything is loaded: it may refuse
+    # before anything is loaded: it may refuse; --resume-from-checkpoint is checked as --resume is
+    checkpoint = resume_checkpoint(args) if args.resume or args.resume_from_checkpoint is not None else None
     import torch
     from transformers.trainer_utils import set_seed
 

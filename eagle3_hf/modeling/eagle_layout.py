@@ -33,6 +33,8 @@ WHERE = "official/SpecForge"
 # What norm_output meant to whom (SpecForge PR #879 of September 2026 gave it the servers' meaning).
 _EAGLE31 = "vLLM, SGLang, TensorRT-LLM and SpecForge since its PR #879 (EAGLE-3.1: the post-norm state fed back)"
 _SPECFORGE_BEFORE_879 = "SpecForge from July 2026 until its PR #879 (EAGLE-3: the pre-norm state fed back)"
+_EAGLE3 = "vLLM, SGLang, TensorRT-LLM and SpecForge since its PR #879 (EAGLE-3: the pre-norm state fed back)"
+_SPECFORGE_BEFORE_879_FALSE = "SpecForge from July 2026 until its PR #879"
 _NEW_SGLANG = "SGLang since its PR #25454 (input-of-layer ids: a first id other than 1 is taken as it is)"
 _OLD_READERS = "SGLang before its PR #25454 and SpecForge (output-of-layer ids, ours minus one)"
 
@@ -107,8 +109,9 @@ def _norm_before_fc(config: dict[str, Any], eagle: dict[str, Any]) -> bool:
     value = bool(inner if inner is not None else outer)
     if value:
         _warn(
-            f"The {WHERE} config sets norm_before_fc: true, which vLLM applies (and so does this load), but SGLang "
-            "and SpecForge have no such norm: SGLang runs this draft without it."
+            f"The {WHERE} config sets norm_before_fc: true, which vLLM and SGLang since its PR #32334 apply (and so "
+            "does this load), but SpecForge has no such norm and SGLang before that PR drops it: those run this "
+            "draft without it."
         )
     return value
 
@@ -126,14 +129,26 @@ def _norm_before_residual(config: dict[str, Any]) -> bool:
 
 def _norm_output(config: dict[str, Any], given: bool | None) -> bool:
     """``norm_output: true`` is EAGLE-3.1 to the servers and to SpecForge since its PR #879, EAGLE-3 to SpecForge
-    before it. Absent is EAGLE-3 to every reader of every version (SpecForge's default was true, meaning that); an
-    explicit false meant lm_head over the un-normed state to SpecForge before PR #879, which no server runs."""
+    before it. Absent is EAGLE-3 to every reader of every version (SpecForge's default was true, meaning that). An
+    explicit false is EAGLE-3 to the servers and to SpecForge since PR #879, but SpecForge before it trained such a
+    draft with lm_head over the un-normed state, which no server runs and no reading here builds: loaded as the
+    servers read it, with a warning naming the other reading unless the caller chose false."""
     stated = config.get("norm_output")
     if stated not in (None, True, False):
         raise ValueError(f"The {WHERE} config has norm_output={stated!r}; expected true, false or no such field.")
     what = f"the {WHERE} config's norm_output={stated!r}"
-    if not stated:
+    if stated is None:
         return choose_reading("norm_output", [(False, "every reader")], given, what)
+    if stated is False:
+        value = choose_reading("norm_output", [(False, _EAGLE3)], given, what)
+        if given is None:
+            _warn(
+                f"The {WHERE} config's norm_output=False: read as norm_output=False, the way {_EAGLE3} read it; "
+                f"{_SPECFORGE_BEFORE_879_FALSE} read it as lm_head over the un-normed state, a draft no server runs: "
+                "one trained there drafts here (and on every server) otherwise than it was trained. Pass "
+                "norm_output=False to from_pretrained (eagle3-hf train: --norm-output false) to silence this warning."
+            )
+        return value
     return choose_reading("norm_output", [(True, _EAGLE31), (False, _SPECFORGE_BEFORE_879)], given, what, _warn)
 
 
@@ -190,9 +205,9 @@ def eagle_export_problems(config: Eagle3DraftConfig) -> list[str]:
         )
     if config.norm_before_fc:
         problems.append(
-            "norm_before_fc=True (vLLM applies it, but SGLang and SpecForge have no such norm: SGLang "
-            "would drop input_norm.weight without a word; save in the speculators layout, which vLLM "
-            "serves)"
+            "norm_before_fc=True (vLLM and SGLang since its PR #32334 apply it, but SpecForge has no such norm "
+            "and SGLang before that PR drops input_norm.weight without a word; save in the speculators layout, "
+            "which vLLM serves)"
         )
     ids = config.target_layer_ids
     if ids is not None and ids[0] != 2:

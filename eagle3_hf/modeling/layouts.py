@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -134,8 +135,9 @@ def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     fields["mlp_bias"] = bool(layer.get("mlp_bias", False))
     fields["draft_vocab_size"] = config.get("draft_vocab_size")
     fields["target_hidden_size"] = config.get("target_hidden_size")
-    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
         fields[flag] = bool(config.get(flag, False))
+    fields["norm_before_residual"] = _speculators_norm_before_residual(config)
     if fields["fc_norm"] and fields["norm_before_fc"]:
         raise ValueError(f"The speculators config sets {NORM_PAIR}.")
     check_tap_count(config.get("num_aux_hidden_states"), "speculators")
@@ -146,6 +148,22 @@ def speculators_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     fields["target_name_or_path"] = verifier.get("name_or_path") or None
     fields["target_architectures"] = list(verifier.get("architectures") or []) or None
     return fields
+
+
+def _speculators_norm_before_residual(config: dict[str, Any]) -> bool:
+    """vLLM reads a speculators config without ``norm_before_residual`` as True (its default for this layout, unlike
+    speculators' own class, whose default is False): loaded as the server runs it, with a warning naming the
+    assumption. Every config `save_speculators` writes states the field."""
+    if "norm_before_residual" in config:
+        return bool(config["norm_before_residual"])
+    warnings.warn(
+        "The speculators config has no norm_before_residual: read as norm_before_residual=True (the residual is "
+        "hidden_norm(g)), the way vLLM reads it; speculators' own config class defaults to False. Add the field "
+        "to the config.json to state which the draft was trained with.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return True
 
 
 def check_exportable(config: Eagle3DraftConfig, layout: str) -> None:

@@ -1,20 +1,15 @@
 """Training conversations: read them, render them with the target's chat template, mask the assistant tokens.
 
 Every accepted record format is normalised to ``{"id": str, "messages": [{"role", "content"}, ...]}`` with roles
-``system``, ``user`` and ``assistant``.
-
-Loss-mask policy: a token is supervised (``loss_mask == 1``) when it overlaps the text of an assistant turn, from the
-first character of its content through the end-of-turn token that closes it (the tokenizer's eos token, e.g. the
-ChatML end-of-turn token), because the draft must learn to predict where the target stops. The role header before the
-content and the template's whitespace after the end-of-turn token are not supervised: the target never generates them.
-Templates with ``{% generation %}`` markers define the assistant text themselves, and their markers are used as is.
+``system``, ``user`` and ``assistant``. `build_dataset` tokenises them into rows (`eagle3_hf.training.loss_mask`
+says which tokens are supervised: each assistant answer as the target writes it after that turn's prompt, through its
+end-of-turn token; one row per conversation, or one per answer where the template rewrites earlier turns).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
@@ -22,12 +17,18 @@ from types import MappingProxyType
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_hf.modeling.chat_template import apply_chat_template
+from eagle3_hf.modeling.chat_template import describe_thinking
 from eagle3_hf.training.data_files import (  # noqa: F401 (DATA_SUFFIXES, is_dataset_id: re-exported)
     DATA_SUFFIXES,
     is_dataset_id,
     not_utf8_error,
     read_records,
+)
+from eagle3_hf.training.loss_mask import (  # noqa: F401 (tokenize_conversation: re-exported)
+    chat_template_source,
+    has_generation_markers,
+    tokenize_conversation,
+    tokenize_conversation_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,13 +51,11 @@ _FORMATS = (
     "ShareGPT ('conversations' of {'from', 'value'}), messages ('messages' of {'role', 'content'}), "
     "Alpaca ('instruction', 'output')"
 )
-_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 __all__ = [
     "DATA_SUFFIXES",
     "DataStats",
     "as_conversations",
-    "assistant_char_spans",
     "build_dataset",
     "has_generation_markers",
     "is_dataset_id",
@@ -64,6 +63,7 @@ __all__ = [
     "normalize_messages",
     "read_conversations",
     "tokenize_conversation",
+    "tokenize_conversation_rows",
 ]
 
 
@@ -159,158 +159,6 @@ def read_conversations(source: str | os.PathLike | Dataset | Iterable, limit: in
     return conversations
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Tokenising with an assistant-only loss mask
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def has_generation_markers(chat_template: str | None) -> bool:
-    """Whether a chat template marks assistant text with ``{% generation %}`` blocks."""
-    return bool(chat_template) and _GENERATION_MARKER.search(chat_template) is not None
-
-
-def _chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # several named templates: the default one is what apply_chat_template uses
-        template = template.get("default")
-    if not template:
-        raise ValueError(
-            f"The tokenizer {tokenizer.name_or_path!r} has no chat template, so conversations cannot be rendered. "
-            "Set `tokenizer.chat_template` to the Jinja template the target was trained with."
-        )
-    return template
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict],
-    add_generation_prompt: bool = False,
-    enable_thinking: bool | None = None,
-) -> str:
-    return apply_chat_template(
-        tokenizer,
-        messages,
-        enable_thinking=enable_thinking,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-    )
-
-
-def _opening_header(tokenizer: PreTrainedTokenizerBase, message: dict, enable_thinking: bool | None = None) -> str:
-    """The text a template puts before the content of a conversation's first message (system prompt, role header).
-
-    An empty conversation cannot be rendered, so the first message is rendered with a placeholder for its content.
-    """
-    placeholder = "EAGLE3HFPLACEHOLDER"
-    text = _render(tokenizer, [{**message, "content": placeholder}], enable_thinking=enable_thinking)
-    if placeholder not in text:
-        raise ValueError(
-            f"The chat template of {tokenizer.name_or_path!r} does not render a message's content verbatim, so "
-            "assistant turns cannot be located. Add {% generation %} ... {% endgeneration %} markers around "
-            "assistant text to the template."
-        )
-    return text[: text.index(placeholder)]
-
-
-def assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], enable_thinking: bool | None = None
-) -> tuple[str, list[tuple[int, int]]]:
-    """Render `messages` and locate each assistant turn in the text by rendering progressively.
-
-    The assistant text of turn ``i`` is what ``messages[:i+1]`` adds to ``messages[:i]`` rendered with the generation
-    prompt, cut after the last eos token in it. This needs the template to be prefix-stable (rendering more messages
-    only appends text); a `ValueError` says so when it is not. `enable_thinking`: see
-    `eagle3_hf.modeling.chat_template`.
-    """
-    text = _render(tokenizer, messages, enable_thinking=enable_thinking)
-    eos = tokenizer.eos_token
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = (
-            _render(tokenizer, messages[:i], add_generation_prompt=True, enable_thinking=enable_thinking)
-            if i
-            else _opening_header(tokenizer, message, enable_thinking)
-        )
-        through = _render(tokenizer, messages[: i + 1], enable_thinking=enable_thinking)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                f"The chat template of {tokenizer.name_or_path!r} is not prefix-stable: rendering the first {i + 1} "
-                f"messages does not extend the rendering of the first {i} (with the generation prompt), so assistant "
-                "turns cannot be located. Add {% generation %} ... {% endgeneration %} markers around assistant text "
-                "to the template."
-            )
-        end = len(through)
-        if eos and eos in through[len(before) :]:
-            end = through.rindex(eos) + len(eos)
-        spans.append((len(before), end))
-    return text, spans
-
-
-def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for each token overlapping a character span (the rule transformers uses for generation markers).
-
-    Tokens and spans are both in text order, so one pass suffices.
-    """
-    mask = [0] * len(offsets)
-    span = 0
-    for index, (token_start, token_end) in enumerate(offsets):
-        while span < len(spans) and token_start >= spans[span][1]:
-            span += 1
-        if span == len(spans):
-            break
-        if token_end > spans[span][0]:
-            mask[index] = 1
-    return mask
-
-
-def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int, enable_thinking: bool | None = None
-) -> dict[str, list[int] | int]:
-    """Tokenise one conversation with the tokenizer's own chat template (`enable_thinking`: see
-    `eagle3_hf.modeling.chat_template`).
-
-    Returns ``input_ids``, ``loss_mask`` (1 on assistant tokens, see the module docstring), ``attention_mask`` and
-    ``num_tokens_cut``, the number of tokens dropped from the end to fit `max_length`.
-    """
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}.")
-    template = _chat_template(tokenizer)
-    if has_generation_markers(template):
-        encoded = apply_chat_template(
-            tokenizer,
-            messages,
-            enable_thinking=enable_thinking,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        input_ids, loss_mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
-        # transformers fills the mask silently (all zeros) when the markers produce no span; catch it here.
-        if not any(loss_mask) and any(m["role"] == "assistant" and m["content"] for m in messages):
-            raise ValueError(
-                f"The chat template of {tokenizer.name_or_path!r} has generation markers, but they marked no token of "
-                "this conversation's assistant turns; check that they wrap the assistant content."
-            )
-    else:
-        if not getattr(tokenizer, "is_fast", False):
-            raise ValueError(
-                f"Locating assistant tokens needs a fast tokenizer (character offsets); {type(tokenizer).__name__} "
-                "is not one."
-            )
-        text, spans = assistant_char_spans(tokenizer, messages, enable_thinking)
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids, loss_mask = list(encoded["input_ids"]), _mask_from_spans(encoded["offset_mapping"], spans)
-    cut = max(0, len(input_ids) - max_length)
-    return {
-        "input_ids": input_ids[:max_length],
-        "loss_mask": loss_mask[:max_length],
-        "attention_mask": [1] * min(len(input_ids), max_length),
-        "num_tokens_cut": cut,
-    }
-
-
 @dataclass
 class DataStats:
     """What `build_dataset` kept and dropped."""
@@ -318,10 +166,12 @@ class DataStats:
     conversations_read: int = 0
     skipped_no_assistant: int = 0
     skipped_no_supervised: int = 0  # every assistant token was past max_length
-    truncated: int = 0
+    rows: int = 0  # rows kept: one per conversation, or one per answer where the template rewrites earlier turns
+    truncated: int = 0  # rows longer than max_length
     tokens_cut: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
+    reasoning_dropped: int = 0  # answers whose reasoning the prompt leaves no room for (enable_thinking=False)
 
     @property
     def conversations_kept(self) -> int:
@@ -346,13 +196,15 @@ def build_dataset(
     """Tokenise conversations into a `Dataset` with columns ``id``, ``input_ids``, ``loss_mask``, ``attention_mask``.
 
     `conversations` may be the output of `read_conversations`, raw records in any accepted format, or a `Dataset`
-    of either. Conversations without an assistant turn are skipped and counted; if none has one, a `ValueError` is
-    raised. Conversations longer than `max_length` tokens are truncated (the official recipe drops them instead).
+    of either. Each conversation gives one row, or one per answer where the template rewrites earlier turns
+    (`eagle3_hf.training.loss_mask`); every row of a conversation carries its id. Conversations without an
+    assistant turn are skipped and counted; if none has one, a `ValueError` is raised. Rows longer than
+    `max_length` tokens are truncated (the official recipe drops them instead).
     `enable_thinking` is the template's thinking switch (`eagle3_hf.modeling.chat_template`; None: its default).
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}.")
-    _chat_template(tokenizer)  # fail before any work when there is no template
+    chat_template_source(tokenizer)  # fail before any work when there is no template
     rows = as_conversations(conversations)
     stats = DataStats(conversations_read=len(rows))
     rows = [r for r in rows if any(m["role"] == "assistant" for m in r["messages"])]
@@ -363,32 +215,50 @@ def build_dataset(
             "train on; expected turns with role 'assistant' (or 'gpt' in ShareGPT records)."
         )
 
-    def tokenize(row: dict) -> dict:
-        return tokenize_conversation(tokenizer, row["messages"], max_length, enable_thinking)
+    def tokenize(batch: dict) -> dict:
+        columns: dict[str, list] = {"id": [], "conversation": []}
+        for conversation, (row_id, messages) in enumerate(zip(batch["id"], batch["messages"])):
+            for row in tokenize_conversation_rows(tokenizer, messages, max_length, enable_thinking):
+                columns["id"].append(row_id)  # every row of a conversation keeps its id: splits go by conversation
+                columns["conversation"].append(batch["conversation"][conversation])
+                for key, value in row.items():
+                    columns.setdefault(key, []).append(value)
+        return columns
 
+    rows = [{**row, "conversation": index} for index, row in enumerate(rows)]
     dataset = Dataset.from_list(rows).map(
-        tokenize, remove_columns=["messages"], num_proc=num_proc, desc="Tokenizing conversations"
+        tokenize, batched=True, remove_columns=["messages"], num_proc=num_proc, desc="Tokenizing conversations"
     )
-    cuts = dataset["num_tokens_cut"]
+    cuts, owners = dataset["num_tokens_cut"], dataset["conversation"]
     supervised = [sum(mask) for mask in dataset["loss_mask"]]
     stats.truncated = sum(1 for c in cuts if c > 0)
     stats.tokens_cut = sum(cuts)
-    stats.skipped_no_supervised = sum(1 for s in supervised if s == 0)
+    stats.reasoning_dropped = sum(dataset["reasoning_dropped"])
     keep = [i for i, s in enumerate(supervised) if s > 0]
+    stats.skipped_no_supervised = len(rows) - len({owners[i] for i in keep})
     if not keep:
         raise ValueError(
             f"None of the {len(rows)} conversations keeps an assistant token within max_length={max_length} tokens "
             "(the prompt and template come first), so there is nothing to train on; raise max_length."
         )
-    dataset = dataset.select(keep).remove_columns("num_tokens_cut")
+    dataset = dataset.select(keep).remove_columns(["num_tokens_cut", "conversation", "reasoning_dropped"])
+    stats.rows = len(dataset)
     stats.tokens = sum(len(ids) for ids in dataset["input_ids"])
     stats.supervised_tokens = sum(supervised)
     if stats.truncated:
         logger.warning(
-            "%d of %d conversations were longer than max_length=%d; %d tokens were cut.",
+            "%d of %d rows were longer than max_length=%d; %d tokens were cut.",
             stats.truncated,
-            len(rows),
+            len(cuts),
             max_length,
             stats.tokens_cut,
+        )
+    if stats.reasoning_dropped:
+        logger.warning(
+            "%d answers hold reasoning, but the chat template's generation prompt closes an empty think block (%s), "
+            "so the target writes no reasoning there: only their answers are supervised. Give the thinking setting "
+            "the answers were written with.",
+            stats.reasoning_dropped,
+            describe_thinking(enable_thinking),
         )
     return dataset, stats

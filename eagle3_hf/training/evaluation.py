@@ -87,5 +87,7 @@ def evaluate_draft(
     metrics["coverage"] = round(float(in_vocab[0]) / max(int(supervised[0]), 1), 4)
     metrics["sim_accept_len"] = round(simulated_acceptance_length(accuracy), 4)
     metrics["supervised_tokens"] = int(supervised[0])
-    metrics["conversations"] = len(rows)
+    # a template that rewrites earlier turns gives a conversation one row per answer, all under its id
+    metrics["conversations"] = len({row["id"] for row in rows}) if "id" in rows[0] else len(rows)
+    metrics["rows"] = len(rows)
     return metrics

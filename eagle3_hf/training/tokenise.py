@@ -50,10 +50,10 @@ def tokenise_data(
         conversations, tokenizer, max_length, num_proc=num_proc, enable_thinking=enable_thinking
     )
     if os.environ.get("RANK", "0") == "0":  # under torchrun, every process reads the data: one says so
+        rows = f" in {stats.rows} rows" if stats.rows != stats.conversations_kept else ""
         print(
-            f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept, {stats.tokens} "
-            f"tokens, "
-            f"{stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
-            f"{stats.truncated} truncated to {max_length})."
+            f"Data: {stats.conversations_kept} of {stats.conversations_read} conversations kept{rows}, {stats.tokens} "
+            f"tokens, {stats.supervised_tokens} supervised ({stats.skipped_no_assistant} without an assistant turn, "
+            f"{stats.truncated} rows truncated to {max_length})."
         )
     return dataset, stats
