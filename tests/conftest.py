@@ -1,24 +1,16 @@
 """Shared test fixtures: one torch thread, the devices to run on, SmolLM2's real tokenizer as a cached plain folder,
 a tiny chat target."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
+from helpers.devices import DEVICE_DTYPES, DEVICES
 from transformers import AutoTokenizer
 
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import cached_plain_copy
-
-# The CPU always; CUDA when this machine has it, in fp32 and in the half-precision types it runs. On a CPU-only
-# machine the device-parametrised tests run once, as before (scripts/gpu_check.sh runs them on CUDA).
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-HALF_DTYPES = (
-    [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else []) if torch.cuda.is_available() else []
-)
-DEVICE_DTYPES = [(device, torch.float32) for device in DEVICES] + [("cuda", dtype) for dtype in HALF_DTYPES]
+from eagle3_hf.utils import tiny
 
 
 def _dtype_id(case: tuple[str, torch.dtype]) -> str:
@@ -59,16 +51,6 @@ def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def _train_tiny_example():
-    """examples/train_tiny.py, which builds the tiny chat target and its ShareGPT data."""
-    spec = importlib.util.spec_from_file_location(
-        "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tiny_setup():
     """The tiny target, a draft whose 40-id vocabulary is counted on the rows, and 5 synthetic rows of 12, 10, 8, 6
@@ -76,7 +58,6 @@ def tiny_setup():
     from eagle3_hf import Eagle3DraftModel
     from eagle3_hf.training.trainer import install_draft_vocab
 
-    tiny = _train_tiny_example()
     target = tiny.make_tiny_target()
     rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
     rows = rows.map(
@@ -90,7 +71,6 @@ def tiny_setup():
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):
     """A tiny random Llama with a chat-template tokenizer saved as a plain folder, and a ShareGPT JSONL for it."""
-    tiny = _train_tiny_example()
     folder = tmp_path_factory.mktemp("tiny_chat_target")
     tiny.write_tiny_chat_target(str(folder))
     data = folder / "data.jsonl"
