@@ -1,7 +1,9 @@
 """Shared test fixtures: one torch thread, the devices to run on, SmolLM2's real tokenizer as a cached plain folder,
 a tiny chat target."""
 
+import contextlib
 import json
+import pathlib
 
 import pytest
 import torch
@@ -43,7 +45,24 @@ def tokenizer_dir(request, tmp_path_factory):
     # The pytest cache keeps the plain copy between sessions: parsing the GGUF tokenizer takes several seconds.
     cache = getattr(request.config, "cache", None)
     folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    return cached_plain_copy(SMOLLM2, folder, include_model=False)
+    with _exclusive(pathlib.Path(folder).with_suffix(".lock")):  # parallel workers write the first copy once
+        return cached_plain_copy(SMOLLM2, folder, include_model=False)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: pathlib.Path):
+    """Hold an exclusive lock on `lock_path` (a file) while the block runs; a no-op where fcntl does not exist."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the tests run in one process there unless asked otherwise
+        yield
+        return
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @pytest.fixture
