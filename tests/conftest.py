@@ -95,3 +95,17 @@ def chat_target(tmp_path_factory):
     data = folder / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tiny.tiny_sharegpt()))
     return folder, data
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks it adds
+def pytest_collection_modifyitems(config, items):
+    # The fast tier (`-m "not slow"`) runs the first case of each `grid` test: every law still runs there, on one
+    # family, tree or setting; the full suite runs every case.
+    seen: set[tuple[str, str]] = set()
+    for item in items:
+        if item.get_closest_marker("grid") is None:
+            continue
+        key = (item.nodeid.split("::")[0], item.originalname)
+        if key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)
