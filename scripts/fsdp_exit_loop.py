@@ -2,7 +2,7 @@
 
 A worker that leaves its process group to the interpreter's exit can die after finishing its work ("terminate
 called without an active exception", SIGABRT): now and then, so one run proves nothing and a loop is the check.
-Each run trains a tiny random chat target (built from examples/train_tiny.py) for 2 steps on CPU processes (gloo),
+Each run trains a tiny random chat target (eagle3_hf.utils.tiny) for 2 steps on CPU processes (gloo),
 saving a checkpoint every step, as the documented multi-process command does on a real target:
 
     python scripts/fsdp_exit_loop.py                          # torchrun, FSDP2, 10 runs
@@ -15,7 +15,6 @@ run exited 0 within --timeout seconds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -56,11 +55,8 @@ def free_port() -> int:
 
 def write_tiny_target(folder: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """The tiny chat target and its ShareGPT data, as the tests build them."""
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"examples/train_tiny.py not found under {ROOT}")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
+    from eagle3_hf.utils import tiny
+
     target = folder / "target"
     tiny.write_tiny_chat_target(str(target))
     data = folder / "data.jsonl"

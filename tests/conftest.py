@@ -1,24 +1,18 @@
 """Shared test fixtures: one torch thread, the devices to run on, SmolLM2's real tokenizer as a cached plain folder,
 a tiny chat target."""
 
-import importlib.util
+import contextlib
 import json
 import pathlib
 
 import pytest
 import torch
+from helpers.devices import DEVICE_DTYPES, DEVICES
 from transformers import AutoTokenizer
 
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import cached_plain_copy
-
-# The CPU always; CUDA when this machine has it, in fp32 and in the half-precision types it runs. On a CPU-only
-# machine the device-parametrised tests run once, as before (scripts/gpu_check.sh runs them on CUDA).
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-HALF_DTYPES = (
-    [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else []) if torch.cuda.is_available() else []
-)
-DEVICE_DTYPES = [(device, torch.float32) for device in DEVICES] + [("cuda", dtype) for dtype in HALF_DTYPES]
+from eagle3_hf.utils import tiny
 
 
 def _dtype_id(case: tuple[str, torch.dtype]) -> str:
@@ -51,22 +45,29 @@ def tokenizer_dir(request, tmp_path_factory):
     # The pytest cache keeps the plain copy between sessions: parsing the GGUF tokenizer takes several seconds.
     cache = getattr(request.config, "cache", None)
     folder = cache.mkdir("eagle3_hf_smollm2_tokenizer") if cache else tmp_path_factory.mktemp("smollm2_tokenizer")
-    return cached_plain_copy(SMOLLM2, folder, include_model=False)
+    with _exclusive(pathlib.Path(folder).with_suffix(".lock")):  # parallel workers write the first copy once
+        return cached_plain_copy(SMOLLM2, folder, include_model=False)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: pathlib.Path):
+    """Hold an exclusive lock on `lock_path` (a file) while the block runs; a no-op where fcntl does not exist."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the tests run in one process there unless asked otherwise
+        yield
+        return
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @pytest.fixture
 def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-def _train_tiny_example():
-    """examples/train_tiny.py, which builds the tiny chat target and its ShareGPT data."""
-    spec = importlib.util.spec_from_file_location(
-        "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,6 @@ def tiny_setup():
     from eagle3_hf import Eagle3DraftModel
     from eagle3_hf.training.trainer import install_draft_vocab
 
-    tiny = _train_tiny_example()
     target = tiny.make_tiny_target()
     rows = tiny.synthetic_dataset(num_rows=5, seq_len=12)
     rows = rows.map(
@@ -90,9 +90,22 @@ def tiny_setup():
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):
     """A tiny random Llama with a chat-template tokenizer saved as a plain folder, and a ShareGPT JSONL for it."""
-    tiny = _train_tiny_example()
     folder = tmp_path_factory.mktemp("tiny_chat_target")
     tiny.write_tiny_chat_target(str(folder))
     data = folder / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in tiny.tiny_sharegpt()))
     return folder, data
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks it adds
+def pytest_collection_modifyitems(config, items):
+    # The fast tier (`-m "not slow"`) runs the first case of each `grid` test: every law still runs there, on one
+    # family, tree or setting; the full suite runs every case.
+    seen: set[tuple[str, str]] = set()
+    for item in items:
+        if item.get_closest_marker("grid") is None:
+            continue
+        key = (item.nodeid.split("::")[0], item.originalname)
+        if key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)

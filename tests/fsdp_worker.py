@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -20,17 +19,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from trainer_callbacks import StopAt
+from helpers.trainer_callbacks import StopAt
 
 from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.distributed import fsdp_memory_per_process, is_fsdp2_module, parameter_bytes
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments, install_draft_vocab
+from eagle3_hf.utils import tiny
 
 ROOT = pathlib.Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
 
 SHARDED = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from test_benchmark import _tiny_target
-from test_cli import assert_clean_error, run
+from helpers.bench import _tiny_target
+from helpers.cli import assert_clean_error, run
 
 from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.bench.batch import format_batch_table, left_padded_batches, run_batch_benchmark

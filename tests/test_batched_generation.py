@@ -8,7 +8,8 @@ values and amount change nothing (it never reaches the target's attention or the
 
 import pytest
 import torch
-from test_generation import (
+from helpers.batching import left_padded, unpadded
+from helpers.generation import (
     FAMILIES,
     NEW,
     TREES,
@@ -20,7 +21,7 @@ from test_generation import (
     plain,
     smollm2,  # noqa: F401 (the SmolLM2 fixture)
 )
-from test_sampling import (
+from helpers.sampling import (
     CHI2_CRITICAL_0001,
     REPEATING,
     N,
@@ -28,29 +29,13 @@ from test_sampling import (
     exact_law_of_tokens_2_and_3,
     models,  # noqa: F401 (the sampling fixture)
 )
-from test_sampling import TREES as SAMPLED_TREES
-from test_sampling import V as SV
+from helpers.sampling import TREES as SAMPLED_TREES
+from helpers.sampling import V as SV
 from transformers import TextStreamer
 
 from eagle3_hf.generation import drafting, target_cache
 
 LENGTHS = (3, 7, 12, 20)
-
-
-def left_padded(prompts, pad=0, extra=0):
-    """`(ids, mask)` `[B, longest + extra]`: each prompt right-aligned after `pad` ids."""
-    width = max(p.shape[1] for p in prompts) + extra
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.shape[1] :] = prompt[0]
-        mask[row, width - prompt.shape[1] :] = 1
-    return ids, mask
-
-
-def unpadded(sequences, mask, row):
-    width = mask.shape[1]
-    return sequences[row, width - int(mask[row].sum()) :].tolist()
 
 
 @pytest.fixture(scope="module")

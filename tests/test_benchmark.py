@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers.bench import _tiny_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf import Eagle3DraftModel, bind_target
@@ -57,22 +58,6 @@ def test_read_prompts_formats_and_errors(tmp_path):
     bad.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a record with 'turns'"):
         read_prompts(str(bad), _Template(), None)
-
-
-def _tiny_target(vocab=24):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=vocab,
-            eos_token_id=None,
-            bos_token_id=None,
-        )
-    ).eval()
 
 
 def test_plain_bf16_is_left_out_where_the_cpu_emulates_it():

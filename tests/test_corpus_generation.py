@@ -12,10 +12,10 @@ beside it, online growth, and the bench's `corpus_tree`.
 
 import pytest
 import torch
-from test_batched_generation import left_padded, unpadded
-from test_generation import FAMILIES, NEW, V, cached_cases, eagle, make_prompts, plain
-from test_sampling import REPEATING, SETTINGS, TREES, check_law, models  # noqa: F401 (models: the sampling fixture)
-from test_sampling import V as SV
+from helpers.batching import left_padded, unpadded
+from helpers.generation import FAMILIES, NEW, V, cached_cases, eagle, make_prompts, plain
+from helpers.sampling import REPEATING, SETTINGS, TREES, check_law, models  # noqa: F401 (models: the sampling fixture)
+from helpers.sampling import V as SV
 
 from eagle3_hf import ContextLookup, Eagle3DraftModel, bind_target
 from eagle3_hf.generation.context_index import build_trie

@@ -5,13 +5,13 @@ import pathlib
 
 import pytest
 import torch
-from conftest import _train_tiny_example
 
 from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.training.evaluation import evaluate_draft
 from eagle3_hf.training.features import online_features
 from eagle3_hf.training.trainer import Eagle3DataCollator, install_draft_vocab
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
+from eagle3_hf.utils import tiny
 
 _spec = importlib.util.spec_from_file_location(
     "cycle_selection", pathlib.Path(__file__).parents[1] / "scripts" / "research" / "cycle_selection.py"
@@ -38,7 +38,6 @@ def test_walk_follows_the_chain_by_hand():
 @pytest.fixture(scope="module")
 def trained():
     """The tiny target and a draft trained on its rows until it gets about half of its tokens right (~3 s)."""
-    tiny = _train_tiny_example()
     torch.manual_seed(0)
     target = tiny.make_tiny_target()
     rows = tiny.synthetic_dataset(num_rows=6, seq_len=24)

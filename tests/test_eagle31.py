@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from test_convert import (  # noqa: F401  (target: the tiny target fixture)
+from helpers.convert import (  # noqa: F401  (target: the tiny target fixture)
     L,
     assert_same_draft,
     check_against_reference,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from cli_argv import argv
+from helpers.cli_argv import argv
 
 from eagle3_hf.bench.cards import bench_card
 from eagle3_hf.cli import main as cli_main

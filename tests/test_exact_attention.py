@@ -3,7 +3,7 @@ the logits the target's own one-token decoding steps give along that node's path
 plain bf16 greedy output token for token, for every family (sliding-window targets past their window included).
 
 That holds where the target's matmuls are row-invariant on this CPU, which the row-invariance probe decides first
-(tests/exactness.py): each test runs as its "exact" case there and as its "near-tie" case elsewhere (the probe names
+(tests/helpers/exactness.py): each test runs as its "exact" case there and as its "near-tie" case elsewhere (the probe names
 the op that differs, greedy divergences are near-ties of the fp32 target), and skips the other with the probe's
 answer. Targets made row-invariant on purpose (`rowwise_linears`) check the attention path bit for bit on any CPU.
 """
@@ -11,11 +11,12 @@ answer. Targets made row-invariant on purpose (`rowwise_linears`) check the atte
 import copy
 import dataclasses
 
-import exactness
 import pytest
 import torch
-from exactness import EXPECTATIONS, assert_near_ties, case, expectation, probe_for, rowwise_linears
-from test_generation import FAMILIES, SHAPE
+from helpers import exactness
+from helpers.exact import RowDependentMLP, V, bf16_target
+from helpers.exactness import EXPECTATIONS, assert_near_ties, case, expectation, probe_for, rowwise_linears
+from helpers.generation import FAMILIES
 from transformers.cache_utils import DynamicCache
 
 from eagle3_hf import Eagle3DraftModel, bind_target
@@ -23,24 +24,7 @@ from eagle3_hf.bench.report import NEAR_TIE_ULPS, ulp
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.utils.compat import cache_kwargs
 
-V = 256  # a larger vocabulary than test_generation's: bf16 near-ties between candidates become common
-# Wider than test_generation's shapes: on this CPU a bf16 nn.Linear with 64 input features and 32-64 outputs is not
-# row-invariant (1 row vs 18 can round differently); from 128 input features on it is, as in real targets.
-BF16_SHAPE = dict(hidden_size=128, intermediate_size=256)
 TREE = [-1, 0, 0, 0, 1, 1, 1, 2, 4, 4, 5, 8, 8, 9, 11, 11, 13, 14]  # 18 nodes, depth 6, up to 4 wide
-
-
-def bf16_target(family, implementation="sdpa", seed=0):
-    model_class, config_class, extra = FAMILIES[family]
-    extra = {k: v for k, v in extra.items() if k != "initializer_range"}  # default init: near-ties happen
-    if "head_dim" in extra:
-        extra = (
-            {**extra, "head_dim": 32, "query_pre_attn_scalar": 32} if family == "gemma3" else {**extra, "head_dim": 32}
-        )
-    torch.manual_seed(seed)
-    config = config_class(**{**SHAPE, **BF16_SHAPE, **extra, "vocab_size": V})
-    config._attn_implementation = implementation
-    return model_class(config).eval().to(torch.bfloat16)
 
 
 def plain_rows(target, cache, tokens, parents):
@@ -295,18 +279,6 @@ def test_probe_finds_the_exact_path_bitwise_and_names_the_attention_call_otherwi
     assert "first at model.layers.0.self_attn (attention)" in broken.describe()
 
 
-class RowDependentMLP(torch.nn.Module):
-    """An MLP whose rows round as if a kernel changed with the number of rows: exactness broken on purpose."""
-
-    def __init__(self, mlp):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x):
-        out = self.mlp(x)
-        return out + 1e-2 * (x.shape[1] > 1)
-
-
 def test_probe_names_the_op_that_breaks_exactness():
     from eagle3_hf.generation.probe import probe_row_exactness
 
@@ -318,7 +290,7 @@ def test_probe_names_the_op_that_breaks_exactness():
 
 
 def test_probe_first_puts_each_test_in_the_case_the_hardware_proves():
-    """tests/exactness.py's choice, shown on both sides on any CPU: a target made row-invariant on purpose runs the
+    """tests/helpers/exactness.py's choice, shown on both sides on any CPU: a target made row-invariant on purpose runs the
     exact case, the same target with one MLP made row-dependent the near-tie case; `case` skips the other, saying
     which case runs and what the probe found."""
     exact = rowwise_linears(bf16_target("llama"))

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from cli_argv import argv
+from helpers.cli_argv import argv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_hf.cli import main as cli_main

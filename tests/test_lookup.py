@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-from test_generation import FAMILIES, NEW, V, cached_cases, eagle
-from test_sampling import chi_square
+from helpers.generation import FAMILIES, NEW, V, cached_cases, eagle
+from helpers.sampling import chi_square
 
 from eagle3_hf import ContextLookup
 from eagle3_hf.generation.context_index import build_trie

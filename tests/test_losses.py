@@ -5,13 +5,11 @@ reference (value and gradients), the default unchanged, bad names refused, the t
 better of two checkpoints kept by `--metric-for-best-model sim_accept_len`.
 """
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
-from cli_argv import argv
+from helpers.cli_argv import argv
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
@@ -20,13 +18,9 @@ from eagle3_hf.training.head_loss import head_cross_entropy, ttt_head_kwargs
 from eagle3_hf.training.losses import LOSSES, check_loss, row_losses
 from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
+from eagle3_hf.utils import tiny
 
 torch.set_num_threads(1)
-_spec = importlib.util.spec_from_file_location(
-    "train_tiny", pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
-)
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
 
 
 def sparse_label(rows, width, k, seed=0):

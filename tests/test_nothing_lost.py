@@ -8,7 +8,7 @@ import stat
 
 import pytest
 import torch
-from test_cli import assert_clean_error, run, tiny, train  # noqa: F401 (tiny is a fixture)
+from helpers.cli import assert_clean_error, run, tiny, train  # noqa: F401 (tiny is a fixture)
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.utils.outputs import staged_dir, staged_file

@@ -5,14 +5,15 @@ import contextlib
 
 import pytest
 import torch
+from helpers.fast_step import V, make_pair
+from helpers.trainer import make_args, new_draft
 
 from eagle3_hf.training.collator import Eagle3DataCollator, pack_rows
 from eagle3_hf.training.features import online_features
 from eagle3_hf.training.head_loss import ttt_head_kwargs
 from eagle3_hf.training.trainer import Eagle3Trainer
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
-from tests.test_train_fast_step import V, make_pair
-from tests.test_trainer import make_args, new_draft, tiny
+from eagle3_hf.utils import tiny
 
 torch.set_num_threads(1)
 

@@ -21,7 +21,7 @@ engine.py's `propose` and `update`) for the cost model's clocks.
 
 import pytest
 import torch
-from test_generation import make_pair, make_prompts, plain
+from helpers.generation import make_pair, make_prompts, plain
 
 from eagle3_hf.generation import node_scores
 from eagle3_hf.generation.corpus_index import CorpusIndex

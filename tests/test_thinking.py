@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_argv import argv
+from helpers.cli_argv import argv
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.bench.runner import read_prompts

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from helpers.cli import assert_clean_error, run, train
 from safetensors import safe_open
-from test_cli import assert_clean_error, run, train
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main

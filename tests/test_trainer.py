@@ -12,23 +12,22 @@ import sys
 
 import pytest
 import torch
-from cli_argv import argv
+from helpers.cli_argv import argv
+from helpers.trainer import make_args, new_draft
+from helpers.trainer_callbacks import StopAt
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
-from trainer_callbacks import StopAt
 from transformers import TrainerCallback
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
 from eagle3_hf.training.features import online_features
-from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer, Eagle3TrainingArguments
+from eagle3_hf.training.trainer import Eagle3DataCollator, Eagle3Trainer
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
+from eagle3_hf.utils import tiny
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
 
 
 @pytest.fixture(scope="module")
@@ -39,29 +38,6 @@ def target():
 @pytest.fixture(scope="module")
 def dataset():
     return tiny.synthetic_dataset()
-
-
-def new_draft(target, vocab=48):
-    torch.manual_seed(0)  # the same initial weights in every run a test compares
-    return Eagle3DraftModel.from_target(target, draft_vocab_size=vocab)
-
-
-def make_args(output_dir, **overrides):
-    values = dict(
-        output_dir=str(output_dir),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        ttt_length=3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=2,
-        seed=0,
-        disable_tqdm=True,
-        use_cpu=True,
-    )
-    values.update(overrides)
-    return Eagle3TrainingArguments(**values)
 
 
 def test_training_lowers_the_loss_and_raises_acc0(target, dataset, tmp_path, device_dtype):

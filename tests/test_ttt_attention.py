@@ -3,13 +3,13 @@ gradients of the attention alone, and the whole TTT loss and gradients, in fp32 
 
 import pytest
 import torch
+from helpers.fast_step import make_batch, make_pair
 
 from eagle3_hf.training import ttt_attention as attention_module
 from eagle3_hf.training import ttt_layer
 from eagle3_hf.training.ttt import ttt_forward, ttt_loss
 from eagle3_hf.training.ttt_attention import attention_segments, ttt_attention
 from eagle3_hf.training.ttt_layer import repeat_kv
-from tests.test_train_fast_step import make_batch, make_pair
 
 torch.set_num_threads(1)
 

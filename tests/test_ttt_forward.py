@@ -3,7 +3,6 @@ with its dense attention (to 1e-5 in fp32, to bf16 rounding under autocast), and
 through their own calls, with nothing patched."""
 
 import contextlib
-import importlib.util
 import pathlib
 from collections import Counter
 
@@ -18,12 +17,10 @@ from eagle3_hf.training.head_loss import head_cross_entropy, ttt_head_kwargs
 from eagle3_hf.training.trainer import Eagle3Trainer, Eagle3TrainingArguments
 from eagle3_hf.training.ttt import shift_left, target_top_k, ttt_forward, ttt_loss
 from eagle3_hf.training.ttt_layer import repeat_kv
+from eagle3_hf.utils import tiny
 
 torch.set_num_threads(1)
 ROOT = pathlib.Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "examples" / "train_tiny.py")
-tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny)
 
 V = 96
 SHAPE = dict(

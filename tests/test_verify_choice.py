@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 import torch
-from exactness import rowwise_linears
-from test_exact_attention import RowDependentMLP, V, bf16_target
+from helpers.exact import RowDependentMLP, V, bf16_target
+from helpers.exactness import rowwise_linears
 
 import eagle3_hf.generation.verify_choice as verify_choice
 from eagle3_hf import Eagle3DraftModel, bind_target
