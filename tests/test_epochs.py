@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from cli_argv import argv
+from helpers.cli_argv import argv
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main

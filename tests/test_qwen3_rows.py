@@ -1,4 +1,4 @@
-"""Training rows through a template that behaves like the real Qwen3 one (tests/qwen3_template.py): every assistant
+"""Training rows through a template that behaves like the real Qwen3 one (tests/helpers/qwen3_template.py): every assistant
 answer of a multi-turn conversation is supervised token for token as the target writes it after that turn's prompt,
 in every thinking setting; the template's empty think block never is."""
 
@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from cli_argv import argv
-from qwen3_template import QWEN3_TEMPLATE
+from helpers.cli_argv import argv
+from helpers.qwen3_template import QWEN3_TEMPLATE
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3_hf.cli import main as cli_main

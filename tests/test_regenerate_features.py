@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from cli_argv import argv
-from test_regenerate import CountingGenerate, conversations, tiny_llama
+from helpers.cli_argv import argv
+from helpers.regenerate import CountingGenerate, conversations, tiny_llama
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
