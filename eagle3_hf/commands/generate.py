@@ -76,7 +76,11 @@ def add_cli_arguments(parser: Any) -> None:
         "--repeat-tokens", type=int, default=32, help="new tokens per timed repeat (at most --max-new-tokens)"
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    add_precision_arguments(parser)
+    add_precision_arguments(
+        parser,
+        threads="torch threads; N forces N threads and the timing, busy cores or not (default: one per core that "
+        "other jobs leave free, and no timing when none is)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--no-compare", action="store_true", help="skip plain decoding (no speedup, no comparison)")
     add_thinking_argument(parser)

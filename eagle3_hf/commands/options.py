@@ -30,8 +30,11 @@ def add_target_argument(parser: Any, default: str | None = "smollm2", required: 
     parser.add_argument("--target", default=default, required=required, help=TARGET_HELP + tail + shown)
 
 
-def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
-    """The `--dtype`, `--no-prepack` and `--threads` options that the decoding commands share."""
+def add_precision_arguments(
+    parser: Any, what: str = "decoding", threads: str = "torch threads (default: all cores)"
+) -> None:
+    """The `--dtype`, `--no-prepack` and `--threads` options that the decoding commands share (`threads`: the
+    help of `--threads`)."""
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -43,7 +46,7 @@ def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: all cores; `generate`: the cores other jobs leave free)",
+        help=threads,
     )
 
 
