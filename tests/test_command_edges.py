@@ -275,3 +275,73 @@ def test_target_reads_the_same_in_every_subcommand():
     assert set(found) == set(SUBCOMMANDS)
     for command, text in found.items():
         assert text.startswith(TARGET_HELP), (command, text)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bench --markdown: one table, every configuration, against plain and against prompt lookup at its best
+
+
+def test_bench_methods_all_and_markdown_to_the_terminal(tmp_path):
+    from eagle3_hf.bench.runner import METHODS
+    from eagle3_hf.commands.bench import STDOUT, _check_options
+
+    parser = build_subparser("bench")
+    assert parser.parse_args(["--markdown"]).markdown == STDOUT
+    assert parser.parse_args(["--markdown", "t.md"]).markdown == "t.md"
+    every = _check_options(parser.parse_args(["--methods", "all"]))
+    assert every == tuple(m for m in METHODS if m not in ("prompt_lookup", "corpus_tree"))  # no corpus: no corpus_tree
+    (tmp_path / "corpus.safetensors").write_bytes(b"")
+    corpus = str(tmp_path / "corpus.safetensors")
+    assert _check_options(parser.parse_args(["--methods", "all", "--corpus", corpus]))[-1] == "corpus_tree"
+
+
+def test_the_markdown_table_has_the_ratio_to_prompt_lookup_at_its_best():
+    from eagle3_hf.bench.report import format_markdown
+
+    report = {
+        "tokens_per_s": {"plain_bf16": 20.0, "prompt_lookup3_bf16": 25.0, "prompt_lookup5_bf16": 24.0, "hybrid": 30.0},
+        "speedup_by_method": {
+            "plain_bf16": 1.0,
+            "prompt_lookup3_bf16": 1.25,
+            "prompt_lookup5_bf16": 1.2,
+            "hybrid": 1.5,
+        },
+        "fastest_plain": "plain_bf16",
+        "best_prompt_lookup": "prompt_lookup3_bf16",
+        "environment": {
+            "cpu": "Some EPYC",
+            "threads": 2,
+            "vector_cpu_flags": ["avx2", "avx512f"],
+            "date": "2026-12-07",
+        },
+    }
+    lines = format_markdown(report).splitlines()
+    assert lines[0] == (
+        "| configuration | tokens/s (median) | vs `plain_bf16` (fastest plain) | vs `prompt_lookup3_bf16` (prompt lookup "
+        "at its best) |"
+    )
+    assert lines[1] == "|---|---|---|---|"
+    assert lines[2:6] == [
+        "| `plain_bf16` | 20.00 | 1.00x | 0.80x |",
+        "| `prompt_lookup3_bf16` | 25.00 | 1.25x | 1.00x |",
+        "| `prompt_lookup5_bf16` | 24.00 | 1.20x | 0.96x |",
+        "| `hybrid` | 30.00 | 1.50x | 1.20x |",
+    ]
+    assert "Some EPYC" in lines[7] and "vector units: avx2, avx512f, measured 2026-12-07." in lines[7]
+    assert sum(line.startswith("|---") for line in lines) == 1  # one table
+
+
+def test_bench_markdown_prints_one_table_in_place_of_the_text_table(chat_target, capsys, tmp_path):
+    folder, _ = chat_target
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "count to three"}) + "\n")
+    argv = ["bench", "--target", folder, "--prompts", prompts, "--every", "1", "--max-new-tokens", "4"]
+    argv += ["--repeats", "1", "--methods", "plain,prompt_lookup_sweep", "--threads", "1", "--dtype", "float32"]
+    assert cli_main([str(a) for a in [*argv, "--markdown"]]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| configuration | tokens/s (median) | vs `plain_")
+    assert "(prompt lookup at its best) |" in table[0]
+    names = [row.split("|")[1].strip(" `") for row in table[2:]]
+    assert {"plain_fp32", "prompt_lookup3_fp32", "prompt_lookup5_fp32", "prompt_lookup10_fp32"} <= set(names)
+    assert "vs fastest plain\n" not in out and "Hardware: " in out  # the markdown, not the text table
