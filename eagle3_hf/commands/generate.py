@@ -129,7 +129,7 @@ def choose_threads(forced: int | None, cores: int, busy: float | None) -> tuple[
     free = pick_threads(cores, busy)
     load = "" if busy is None else f"other jobs keep {busy:.1f} of the {cores} cores busy"
     if forced is not None:
-        if forced <= max(free, 1) or busy is None:
+        if busy is None or forced <= free:
             return forced, None, True
         return (
             forced,
