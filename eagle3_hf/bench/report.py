@@ -234,19 +234,25 @@ def field_tau_text(report: dict[str, Any], name: str) -> str:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The README's results: one table of every configuration, its tokens/s and its ratio to the fastest plain
-    configuration and to transformers' prompt lookup at its best setting, then what it was measured on (the CPU,
-    its flags, threads, date, prompts, versions) and how the trees fared, from this one report."""
+    """The README's results: one table of every configuration, its tokens/s, its ratio to the fastest plain
+    configuration and to transformers' prompt lookup at its best setting, and its tau (accepted draft tokens + 1 per
+    cycle, every cycle: the field's way), then what it was measured on (the CPU, its flags, threads, date, prompts,
+    versions) and how the trees fared, from this one report. Where each tree's accepted tokens came from is the
+    text table's (`format_table`)."""
     env, cfg = report.get("environment", {}), report.get("config", {})
     rates, fastest, best = report["tokens_per_s"], report.get("fastest_plain"), report.get("best_prompt_lookup")
+    taus = report.get("tau_field_by_method", {})  # reports of this version only
     header = f"| configuration | tokens/s (median) | vs {f'`{fastest}` ' if fastest else ''}(fastest plain) |" + (
         f" vs `{best}` (prompt lookup at its best) |" if best in rates else ""
     )
+    header += " tau (accepted draft tokens + 1 per cycle) |" if taus else ""
     lines = [header, "|---" * header.count(" |") + "|"]
     for name, tps in rates.items():
         speedup = report.get("speedup_by_method", {}).get(name)
         row = f"| `{name}` | {tps:.2f} | {'-' if speedup is None else f'{speedup:.2f}x'} |"
-        lines.append(row + (f" {tps / rates[best]:.2f}x |" if best in rates else ""))
+        row += f" {tps / rates[best]:.2f}x |" if best in rates else ""
+        row += (f" {taus[name]:.2f} |" if name in taus else " - |") if taus else ""
+        lines.append(row)
     threads = env.get("threads")
     vector = f"; vector units: {', '.join(env['vector_cpu_flags'])}" if env.get("vector_cpu_flags") else ""
     date = f", measured {env['date']}" if env.get("date") else ""
@@ -269,11 +275,6 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"{report['speedup_same_precision']:.2f}x plain at its own precision; tau {report.get('tau', 0):.2f} "
             f"over the {report.get('drafted_cycle_share', 0):.0%} of cycles that drafted; greedy outputs identical to "
             f"plain at the same precision: {report.get('identical', 0):.0%}."
-        )
-    for name, tau in report.get("tau_field_by_method", {}).items():  # reports of this version only
-        lines.append(
-            f"`{name}`: tau {tau:.2f} (accepted draft tokens + 1 per cycle, every cycle); accepted tokens "
-            f"from {source_text(report['accepted_by_source'][name])}."
         )
     if "row_exact" in report:
         lines.append(f"Row-invariance probe: {report['row_exact']['description']}.")
