@@ -324,12 +324,17 @@ def fresh_copy(destination: pathlib.Path) -> pathlib.Path:
     import shutil
     import subprocess
 
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout (an unpacked archive): its files
+        junk = shutil.ignore_patterns(".git", ".venv", "work_data", "__pycache__", "*.egg-info", ".*_cache")
+        shutil.copytree(ROOT, destination, ignore=junk)
+        return destination
     for name in filter(None, listed.split("\0")):
         source = ROOT / name
         if source.is_file():  # a deleted file is still listed until it is committed
