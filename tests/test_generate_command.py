@@ -259,6 +259,16 @@ def test_choose_threads_says_why_and_how_to_force():
     assert (threads, timed) == (1, True) and note.startswith("warning: other jobs keep 1.9 of the 2 cores busy")
 
 
+def test_cpu_quota_reads_a_containers_limit(tmp_path):
+    from eagle3_hf.utils.cpu_load import cpu_quota
+
+    limit = tmp_path / "cpu.max"
+    for text, cores in (("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None)):
+        limit.write_text(text)
+        assert cpu_quota(str(limit)) == cores, text
+    assert cpu_quota(str(tmp_path / "missing")) is None  # no cgroup v2 here: no quota
+
+
 def test_busy_cores_reads_the_other_jobs_share_of_this_process_cores(monkeypatch, tmp_path):
     from eagle3_hf.utils import cpu_load
 

@@ -166,13 +166,14 @@ def cap_new_tokens(requested: int, prompt_length: int, max_positions: int | None
 
 
 def run_cli(args: Any) -> int:
-    from eagle3_hf.utils.cpu_load import busy_cores, usable_cpus
+    from eagle3_hf.utils.cpu_load import busy_cores, cpu_quota, usable_cpus
 
     _check_options(args)
     print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
     cpus = usable_cpus()
+    cores = min(len(cpus), cpu_quota() or len(cpus))
     # sampled while this process sleeps, before it loads anything: only the other jobs' work is counted
-    threads, note, timed = choose_threads(args.threads, len(cpus), busy_cores(cpus))
+    threads, note, timed = choose_threads(args.threads, cores, busy_cores(cpus) if cores == len(cpus) else None)
     if note:
         print(note, file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
     import torch

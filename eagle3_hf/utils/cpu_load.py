@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["FREE_SHARE", "busy_cores", "pick_threads", "usable_cpus"]
+__all__ = ["FREE_SHARE", "busy_cores", "cpu_quota", "pick_threads", "usable_cpus"]
 
 # A core counts as free when other jobs used at most this much less than all of it: a quarter of a core busy
 # already costs a thread that must wait for it more than the thread gains.
@@ -25,6 +25,17 @@ def usable_cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
+
+
+def cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """The cores a container's CPU quota allows (cgroup v2 ``cpu.max``: "QUOTA PERIOD", rounded up), or None where
+    there is no quota: a container limited to 2 cores of a 16-core host still lists all 16 in its affinity."""
+    try:
+        with open(path, encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return None
 
 
 def _cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
