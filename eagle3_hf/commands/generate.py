@@ -172,8 +172,10 @@ def run_cli(args: Any) -> int:
     print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
     cpus = usable_cpus()
     cores = min(len(cpus), cpu_quota() or len(cpus))
-    # sampled while this process sleeps, before it loads anything: only the other jobs' work is counted
-    threads, note, timed = choose_threads(args.threads, cores, busy_cores(cpus) if cores == len(cpus) else None)
+    # sampled while this process sleeps, before it loads anything: only the other jobs' work is counted; on an
+    # accelerator the CPU's load matters less, and under a quota the host's load says little about this container
+    sample = args.device == "cpu" and cores == len(cpus)
+    threads, note, timed = choose_threads(args.threads, cores, busy_cores(cpus) if sample else None)
     if note:
         print(note, file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
     import torch
