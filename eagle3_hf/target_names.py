@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import difflib
 import os
+from typing import Any
 
-from eagle3_hf.modeling.shipped import SHIPPED_GGUF, SHORT_NAME_HUB_IDS, shipped_gguf
-from eagle3_hf.utils.hub import is_hub_id
+from eagle3_hf.modeling.shipped import SHIPPED_GGUF, SHORT_NAME_HUB_IDS, shipped_gguf, short_name_of
+from eagle3_hf.utils.hub import hub_kwargs_for, is_hub_id
 
-__all__ = ["describe_target", "resolve_target"]
+__all__ = ["describe_target", "hub_target_kwargs", "resolve_target"]
 
 _ACCEPTED = (
     f"expected a short name ({', '.join(repr(n) for n in SHORT_NAME_HUB_IDS)}), a local folder (holding config.json "
@@ -67,3 +68,18 @@ def describe_target(name_or_path: str) -> str:
         package = SHIPPED_GGUF[name.lower()][0]
         return f"{SHORT_NAME_HUB_IDS[name.lower()].split('/')[-1]} ({gguf_file} from the {package} package)"
     return os.path.join(directory, gguf_file) if gguf_file is not None else directory
+
+
+def hub_target_kwargs(directory: str, gguf_file: str | None) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments for a resolved target: for a Hub id on a machine that cannot reach the
+    Hub, ``local_files_only=True`` when it is cached, else a `ValueError` at once (not after a minute of retries)
+    that names the installed copy where a short name stands for the same model."""
+    if gguf_file is not None or os.path.isdir(directory) or not is_hub_id(directory):
+        return {}
+    short = short_name_of(directory)
+    hint = (
+        f"--target {short} (load_target({short!r})) loads it from the {SHIPPED_GGUF[short][0]} package, offline."
+        if short in SHIPPED_GGUF
+        else ""
+    )
+    return hub_kwargs_for(directory, "the target", hint=hint)

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from eagle3_hf.modeling.shipped import SHORT_NAME_HUB_IDS, SMOLLM2
-from eagle3_hf.target_names import resolve_target
+from eagle3_hf.target_names import hub_target_kwargs, resolve_target
 from eagle3_hf.utils.hub import is_hub_id
 from eagle3_hf.utils.outputs import staged_dir
 
@@ -81,7 +81,7 @@ def check_device(device: str) -> None:
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a target (see `resolve_target` for the accepted names)."""
     directory, gguf_file = resolve_target(name_or_path)
-    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else hub_target_kwargs(directory, gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     # Keep the portable name ("smollm2") rather than the folder of this machine's install.
     tokenizer.name_or_path = str(name_or_path)
@@ -115,7 +115,7 @@ def load_target(
     if shard and not torch.distributed.is_initialized():
         raise ValueError("load_target(shard=True) needs an initialised torch.distributed group (torchrun).")
     directory, gguf_file = resolve_target(name_or_path)
-    kwargs: dict = {"dtype": dtype}
+    kwargs: dict = {"dtype": dtype, **hub_target_kwargs(directory, gguf_file)}
     if gguf_file is not None:
         kwargs.update(gguf_file=gguf_file, dtype=torch.float32)
     if attn_implementation is not None:

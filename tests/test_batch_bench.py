@@ -84,12 +84,12 @@ def test_bench_refuses_bad_batch_sizes(capsys, value):
     assert_clean_error(code, err, "--batch-size takes comma-separated sizes >= 1")
 
 
-def test_the_readme_batch_table_is_the_reports_own():
+def test_the_results_batch_table_is_the_reports_own():
     import json
     import pathlib
 
     root = pathlib.Path(__file__).parents[1]
     path = "scripts/research/results/bench_batch_smollm2_bf16.json"
     table = format_batch_table(json.loads((root / path).read_text(encoding="utf-8")))
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    assert table in readme and f"({path})" in readme
+    results = (root / "docs" / "research" / "results.md").read_text(encoding="utf-8")
+    assert table in results and f"(../../{path})" in results

@@ -125,7 +125,7 @@ def test_every_option_has_help_and_shows_its_default():
         "(default: the draft shipped for the target)",
         "(default: 3)",
         "(default: 32)",
-        "(default: all cores)",
+        "(default: one per core that other jobs leave free, and no timing when none is)",
     ):
         assert fragment in text, fragment
     from eagle3_hf.commands.train import quick_help

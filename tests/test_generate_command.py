@@ -1,5 +1,6 @@
 """`eagle3-hf generate`: says what it loads, streams the answer (and whether it was cut), reports tau and the drafted
-cycles, then times EAGLE-3 and plain decoding in turn over repeats: medians, spreads, warnings when the CPU is busy."""
+cycles, then times EAGLE-3 and plain decoding in turn over repeats, on the cores other jobs leave free: medians, their
+ratio, spreads, and warnings when the CPU was busy."""
 
 import re
 
@@ -60,7 +61,7 @@ def test_generate_streams_the_answer_and_reports_both_speeds(chat_target, capsys
     assert "timed (fp32, 1 thread(s)): 2 repeat(s) of 5 new tokens, the methods in turn" in summary
     assert re.search(
         r"\n  EAGLE-3 +[\d.]+ tok/s  \(spread \d+%\)\n  plain +[\d.]+ tok/s  \(spread \d+%\)\n"
-        r"  speedup +[\d.]+x +\(spread \d+%\)",
+        r"  speedup +[\d.]+x +\(the ratio of the medians; the repeats' ratios spread \d+%\)",
         summary,
     )
 
@@ -220,14 +221,67 @@ def test_was_cut_tells_a_limit_from_an_end_of_sequence():
     assert was_cut(torch.tensor([5, 6, 7]), None, 3)  # a model without an EOS id
 
 
-def test_spread_and_the_busy_machine_warning():
-    from eagle3_hf.commands.generate import busy_warning, spread
+def test_spread():
+    from eagle3_hf.commands.generate import spread
 
     assert spread([10.0, 12.0, 11.0]) == pytest.approx(2 / 11) and spread([7.0]) == 0.0
-    assert busy_warning(2, load=1.9) is None
-    warning = busy_warning(2, load=3.25)
-    assert "load average over the last minute is 3.25, above the 2 thread(s)" in warning and "--threads 1" in warning
-    assert "--threads 1" not in busy_warning(1, load=1.5)  # already one thread: rerunning later is the advice
+
+
+def test_pick_threads_takes_the_free_cores():
+    from eagle3_hf.utils.cpu_load import pick_threads
+
+    assert pick_threads(2, 0.0) == 2 and pick_threads(2, 0.2) == 2  # a fifth of a core busy: still free
+    assert pick_threads(2, 0.3) == 1 and pick_threads(2, 1.0) == 1 and pick_threads(2, 1.25) == 1
+    assert pick_threads(2, 1.3) == 0 and pick_threads(2, 2.0) == 0 and pick_threads(1, 0.9) == 0
+    assert pick_threads(16, 3.5) == 12 and pick_threads(4, None) == 4  # unknown load: every core
+    assert pick_threads(2, -0.1) == 2 and pick_threads(2, 5.0) == 0  # a load average can exceed the cores
+    with pytest.raises(ValueError, match="cores must be >= 1, got 0"):
+        pick_threads(0, 0.0)
+
+
+def test_choose_threads_says_why_and_how_to_force():
+    from eagle3_hf.commands.generate import choose_threads
+
+    assert choose_threads(None, 2, 0.05) == (2, None, True)  # an idle machine: every core, nothing to say
+    assert choose_threads(None, 2, None) == (2, None, True)  # no load to read (Windows): every core
+    threads, note, timed = choose_threads(None, 2, 0.97)
+    assert (threads, timed) == (1, True)
+    assert (
+        note == "other jobs keep 1.0 of the 2 cores busy: timing on the 1 free one(s) (--threads N forces N threads)."
+    )
+    threads, note, timed = choose_threads(None, 2, 1.9)  # none free: answer on one thread, time nothing
+    assert (threads, timed) == (1, False)
+    assert note.startswith("not timing: other jobs keep 1.9 of the 2 cores busy, none free") and "--threads N" in note
+    assert choose_threads(1, 2, 0.97) == (1, None, True)  # forced, and there is a free core for it
+    threads, note, timed = choose_threads(2, 2, 0.97)  # forced onto a busy core: timed, with a warning
+    assert (threads, timed) == (2, True) and note.startswith("warning: other jobs keep 1.0 of the 2 cores busy")
+    threads, note, timed = choose_threads(1, 2, 1.9)  # forced: always timed, even with no core free
+    assert (threads, timed) == (1, True) and note.startswith("warning: other jobs keep 1.9 of the 2 cores busy")
+
+
+def test_cpu_quota_reads_a_containers_limit(tmp_path):
+    from eagle3_hf.utils.cpu_load import cpu_quota
+
+    limit = tmp_path / "cpu.max"
+    for text, cores in (("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None)):
+        limit.write_text(text)
+        assert cpu_quota(str(limit)) == cores, text
+    assert cpu_quota(str(tmp_path / "missing")) is None  # no cgroup v2 here: no quota
+
+
+def test_busy_cores_reads_the_other_jobs_share_of_this_process_cores(monkeypatch, tmp_path):
+    from eagle3_hf.utils import cpu_load
+
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  300 0 100 500 0 0 0 0 0 0\ncpu0 100 0 0 100 0 0 0 0 0 0\ncpu1 200 0 100 400 10 0 0 0 0 0\nintr 1 2 3\n"
+    )
+    assert cpu_load._cpu_times(str(stat)) == {0: (100, 200), 1: (300, 710)}  # (busy, total); iowait is idle
+    samples = iter([{0: (100, 200), 1: (300, 700), 2: (0, 0)}, {0: (190, 300), 1: (310, 800), 2: (100, 100)}])
+    monkeypatch.setattr(cpu_load, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(cpu_load.time, "sleep", lambda seconds: None)
+    # cpu0 busy 90 of 100 jiffies, cpu1 10 of 100; cpu2 is not this process's
+    assert cpu_load.busy_cores([0, 1]) == pytest.approx(1.0)
 
 
 def test_time_in_turn_alternates_the_methods():
@@ -250,9 +304,12 @@ def test_time_in_turn_alternates_the_methods():
 def test_the_spread_warning_names_the_noisy_measurement(capsys):
     from eagle3_hf.commands.generate import _report_rates
 
-    _report_rates({"EAGLE-3": [30.0, 31.0, 30.5], "plain": [20.0, 30.0, 25.0]}, "EAGLE-3")
+    _report_rates({"EAGLE-3": [30.5, 30.0, 31.0], "plain": [20.0, 30.0, 25.0]}, "EAGLE-3")
     out, err = capsys.readouterr()
     assert re.search(r"  EAGLE-3 +30\.5 tok/s  \(spread 3%\)\n  plain +25\.0 tok/s  \(spread 40%\)", out)
-    assert "warning: the timed repeats spread by 40% (plain), 38% (speedup), more than 20%" in err
+    # the speedup is the ratio of the two medians printed (30.5 / 25.0 = 1.22), not the median of the repeats' ratios
+    # (1.525, 1.0, 1.24: 1.24); their spread is (1.525 - 1.0) / 1.24
+    assert "  speedup    1.22x      (the ratio of the medians; the repeats' ratios spread 42%)" in out
+    assert "warning: the timed repeats spread by 40% (plain), 42% (speedup), more than 20%" in err
     _report_rates({"EAGLE-3": [30.0, 31.0], "plain": [20.0, 20.5]}, "EAGLE-3")
     assert capsys.readouterr().err == ""

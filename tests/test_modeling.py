@@ -171,12 +171,12 @@ def test_a_shipped_draft_loads_by_name_and_an_unknown_name_says_what_there_is(tm
     layout, config, state_dict = read_checkpoint("smollm2-135m-instruct")  # found inside the package, from any folder
     assert layout == "native" and config["model_type"] == "eagle3_draft" and "fc.weight" in state_dict
     assert shipped_draft_folder("smollm2") is None  # names are the folders' own, exactly
-    # Neither a folder nor a shipped draft (nor on the Hub): the error names the value, the shipped drafts, the closest
+    # Neither a folder nor a shipped draft nor a Hub id (so no Hub request): the error names the value, the shipped
+    # drafts, the closest
     with pytest.raises(
         ValueError,
-        match=r"'smollm2-135m' is neither a local checkpoint folder, a draft shipped with "
-        r"eagle3_hf \(shipped drafts: 'smollm2-135m-instruct'; did you mean "
-        r"'smollm2-135m-instruct'\?\)",
+        match=r"'smollm2-135m': no such folder, draft shipped with eagle3_hf \(shipped drafts: "
+        r"'smollm2-135m-instruct'; did you mean 'smollm2-135m-instruct'\?\) or Hub id 'org/name'\.",
     ):
         Eagle3DraftModel.from_pretrained("smollm2-135m", local_files_only=True)  # no Hub request from a test
     # A folder of that name in the working directory wins, as a local folder wins over the Hub.

@@ -122,7 +122,13 @@ def divergence(
     return report
 
 
+# The CPU flags that decide what a CPU decodes fast: vector widths (fp32 matmuls) and bf16 units.
+VECTOR_CPU_FLAGS = ("avx2", "avx512f", "amx_tile", "neon", "asimd", "sve")
+
+
 def environment() -> dict[str, Any]:
+    import datetime
+
     import transformers
 
     import eagle3_hf
@@ -138,7 +144,9 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cores": os.cpu_count(),
         "bf16_cpu_flags": sorted(f for f in NATIVE_BF16_FLAGS if f in flags),
+        "vector_cpu_flags": [f for f in VECTOR_CPU_FLAGS if f in flags],
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
 
 
@@ -226,17 +234,33 @@ def field_tau_text(report: dict[str, Any], name: str) -> str:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The README's numbers table: every configuration, then what it was measured on, from this one report."""
+    """The README's results: one table of every configuration, its tokens/s, its ratio to the fastest plain
+    configuration and to transformers' prompt lookup at its best setting, and its tau (accepted draft tokens + 1 per
+    cycle, every cycle: the field's way), then what it was measured on (the CPU, its flags, threads, date, prompts,
+    versions) and how the trees fared, from this one report. Where each tree's accepted tokens came from is the
+    text table's (`format_table`)."""
     env, cfg = report.get("environment", {}), report.get("config", {})
-    lines = ["| configuration | tokens/s (median) | vs fastest plain |", "|---|---|---|"]
-    for name, tps in report["tokens_per_s"].items():
+    rates, fastest, best = report["tokens_per_s"], report.get("fastest_plain"), report.get("best_prompt_lookup")
+    taus = report.get("tau_field_by_method", {})  # reports of this version only
+    header = f"| configuration | tokens/s (median) | vs {f'`{fastest}` ' if fastest else ''}(fastest plain) |" + (
+        f" vs `{best}` (prompt lookup at its best) |" if best in rates else ""
+    )
+    header += " tau (accepted draft tokens + 1 per cycle) |" if taus else ""
+    lines = [header, "|---" * header.count(" |") + "|"]
+    for name, tps in rates.items():
         speedup = report.get("speedup_by_method", {}).get(name)
-        lines.append(f"| `{name}` | {tps:.2f} | {'-' if speedup is None else f'{speedup:.2f}x'} |")
+        row = f"| `{name}` | {tps:.2f} | {'-' if speedup is None else f'{speedup:.2f}x'} |"
+        row += f" {tps / rates[best]:.2f}x |" if best in rates else ""
+        row += (f" {taus[name]:.2f} |" if name in taus else " - |") if taus else ""
+        lines.append(row)
     threads = env.get("threads")
+    vector = f"; vector units: {', '.join(env['vector_cpu_flags'])}" if env.get("vector_cpu_flags") else ""
+    date = f", measured {env['date']}" if env.get("date") else ""
     lines += [
         "",
         f"Hardware: {env.get('cuda') or env.get('cpu')} ({env.get('machine')}, {env.get('cores')} cores; bf16 "
-        f"units: {', '.join(env.get('bf16_cpu_flags') or []) or 'none'}), {threads} thread{'s' * (threads != 1)}. "
+        f"units: {', '.join(env.get('bf16_cpu_flags') or []) or 'none'}), {threads} thread{'s' * (threads != 1)}"
+        f"{vector}{date}. "
         f"Speculative precision: {cfg.get('spec_dtype')}"
         + (" (weights prepacked for oneDNN)" if cfg.get("prepacked") else "")
         + ". "
@@ -251,11 +275,6 @@ def format_markdown(report: dict[str, Any]) -> str:
             f"{report['speedup_same_precision']:.2f}x plain at its own precision; tau {report.get('tau', 0):.2f} "
             f"over the {report.get('drafted_cycle_share', 0):.0%} of cycles that drafted; greedy outputs identical to "
             f"plain at the same precision: {report.get('identical', 0):.0%}."
-        )
-    for name, tau in report.get("tau_field_by_method", {}).items():  # reports of this version only
-        lines.append(
-            f"`{name}`: tau {tau:.2f} (accepted draft tokens + 1 per cycle, every cycle); accepted tokens "
-            f"from {source_text(report['accepted_by_source'][name])}."
         )
     if "row_exact" in report:
         lines.append(f"Row-invariance probe: {report['row_exact']['description']}.")

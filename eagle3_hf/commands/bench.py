@@ -7,7 +7,12 @@ import os
 from typing import Any
 
 from eagle3_hf.commands import add_thinking_argument
-from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments, exact_verify_setting
+from eagle3_hf.commands.options import (
+    add_exact_verify_argument,
+    add_precision_arguments,
+    add_target_argument,
+    exact_verify_setting,
+)
 
 # The choices of --methods; `eagle3_hf.bench.runner.METHODS` (checked in the tests), spelt out so --help stays light.
 METHODS = (
@@ -21,11 +26,19 @@ METHODS = (
     "corpus_tree",
 )
 DEFAULT_METHODS = ("plain", "eagle3_chain", "eagle3_tree")
+# `--methods all`: every configuration, prompt lookup at each of its settings; corpus_tree when there is a --corpus.
+ALL_METHODS = "all"
+# `--markdown` with no file: the markdown table goes to the terminal in place of the text table.
+STDOUT = "-"
 
 
 def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument("--target", default="smollm2", help='target model folder, .gguf file, or "smollm2"')
-    parser.add_argument("--draft", default=None, help="draft folder (default: the draft shipped for the target)")
+    add_target_argument(parser)
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft: a folder, a shipped draft's name or a Hub id (default: the draft shipped for the target)",
+    )
     parser.add_argument("--prompts", default=None, help="MT-bench question.jsonl, or JSONL with prompt/messages")
     parser.add_argument("--every", type=int, default=8, help="take every n-th prompt (8: all MT-bench categories)")
     parser.add_argument("--num-prompts", type=int, default=None, help="at most this many prompts (default: all taken)")
@@ -35,7 +48,10 @@ def add_cli_arguments(parser: Any) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     parser.add_argument(
-        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {', '.join(METHODS)}"
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated subset of {', '.join(METHODS)}; or {ALL_METHODS}: every one (prompt lookup at each "
+        "setting; corpus_tree with --corpus)",
     )
     parser.add_argument(
         "--tree-depth", type=int, default=None, help="levels the draft grows (default: the draft config's)"
@@ -77,7 +93,16 @@ def add_cli_arguments(parser: Any) -> None:
         "generate() in fp32 and bf16 against EAGLE-3 over left-padded batches of mixed-length prompts",
     )
     parser.add_argument("--json", default=None, help="write the report here")
-    parser.add_argument("--markdown", default=None, help="write the README numbers table (markdown) here")
+    parser.add_argument(
+        "--markdown",
+        nargs="?",
+        const=STDOUT,
+        default=None,
+        metavar="FILE",
+        help="the results as one markdown table (every configuration against plain and against prompt lookup at "
+        "its best, with the CPU, its flags and the versions): printed in place of the text table, or written to "
+        "FILE",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG chart of acceptance by depth here (needs [plot])")
     parser.add_argument(
         "--model-card",
@@ -94,6 +119,8 @@ def _check_options(args: Any) -> tuple[str, ...]:
     from eagle3_hf.utils.outputs import check_output_file
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if methods == (ALL_METHODS,):
+        methods = tuple(m for m in METHODS if m != "prompt_lookup" and (m != "corpus_tree" or args.corpus))
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ValueError(f"--methods {args.methods!r}: unknown method(s) {unknown}; choose from {', '.join(METHODS)}.")
@@ -131,8 +158,12 @@ def _check_options(args: Any) -> tuple[str, ...]:
         except ImportError as err:
             raise ValueError("--plot needs matplotlib: pip install 'eagle3-hf[plot]' (or matplotlib).") from err
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
-        if path:
+        if path and path != STDOUT:
             check_output_file(path, args.overwrite_output_dir, flag)
+    if args.draft is not None and args.draft != "random":
+        from eagle3_hf.draft_names import check_checkpoint_name
+
+        check_checkpoint_name(args.draft, "--draft", ("random",))  # before the target loads
     if args.model_card and (not args.draft or args.draft == "random"):
         raise ValueError("--model-card needs --draft FOLDER (the draft whose card to rewrite).")
     if args.model_card and not os.path.isfile(os.path.join(args.draft, "config.json")):
@@ -264,11 +295,11 @@ def run_cli(args: Any) -> int:
         },
     }
     report["environment"] = environment()
-    print(format_table(report))
+    print(format_markdown(report) if args.markdown == STDOUT else format_table(report))
     if args.json:
         with staged_file(args.json) as temporary, open(temporary, "w") as f:
             json.dump(report, f, indent=2)
-    if args.markdown:
+    if args.markdown and args.markdown != STDOUT:
         with staged_file(args.markdown) as temporary, open(temporary, "w") as f:
             f.write(format_markdown(report) + "\n")
     if args.plot and "acceptance_by_depth" in report:
@@ -315,7 +346,7 @@ def _run_batched(args: Any, targets: dict, draft: Any, spec_dtype: Any, prompts:
     if args.json:
         with staged_file(args.json) as temporary, open(temporary, "w") as f:
             json.dump(report, f, indent=2)
-    if args.markdown:
+    if args.markdown and args.markdown != STDOUT:  # the table printed above is markdown already
         with staged_file(args.markdown) as temporary, open(temporary, "w") as f:
             f.write(table + "\n")
     return 0

@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from eagle3_hf.commands import say
+from eagle3_hf.commands.options import add_target_argument
 
 LAYOUTS = ("native", "speculators", "eagle")  # eagle3_hf.modeling.layouts.LAYOUTS, spelt out so --help stays light
 
@@ -27,12 +28,11 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         default="native",
         help="layout to write: native (ours), speculators (vLLM speculators) or eagle (official SafeAILab/SpecForge)",
     )
-    parser.add_argument(
-        "--target",
+    add_target_argument(
+        parser,
         default=None,
-        help="target model (short name such as 'smollm2', a folder, a .gguf file): checks the draft against it and "
-        "supplies its embedding (bit for bit, in the target's precision) and architectures; needed for "
-        "speculators when the checkpoint has no embedding",
+        use="checks the draft against it and supplies its embedding (bit for bit, in the target's precision) and "
+        "architectures; needed for speculators when the checkpoint has no embedding",
     )
     parser.add_argument(
         "--target-id",
@@ -88,8 +88,10 @@ def _recorded(name: str) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from eagle3_hf.draft_names import check_checkpoint_name
     from eagle3_hf.utils.outputs import check_output_dir, staged_dir
 
+    check_checkpoint_name(args.src, "SRC")  # before the target loads, and before DST is looked at
     check_output_dir(args.dst, args.overwrite_output_dir, "DST", source=args.src)
     _check_names(args)
     from eagle3_hf import Eagle3DraftModel

@@ -14,14 +14,13 @@ import argparse
 import os
 
 from eagle3_hf.commands import add_thinking_argument, say
+from eagle3_hf.commands.options import add_target_argument
 
 MT_BENCH = "mt-bench"  # stands for the MT-bench questions the benchmark reads by default
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--target", required=True, help='target that wrote the answers (its tokenizer): a folder, .gguf, "smollm2"'
-    )
+    add_target_argument(parser, default=None, required=True, use="the one that wrote the answers (its tokenizer)")
     parser.add_argument(
         "--data",
         required=True,

@@ -14,11 +14,12 @@ import sys
 
 from eagle3_hf.bench.cards import EVALUATION_NAME, format_evaluation_table
 from eagle3_hf.commands import add_thinking_argument, say
+from eagle3_hf.commands.options import add_target_argument
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="smollm2", help='target model: a folder, a .gguf file, or "smollm2"')
+    add_target_argument(parser)
     parser.add_argument("--draft", nargs="+", default=[None], help="draft folders (default: the shipped draft)")
     parser.add_argument(
         "--data",

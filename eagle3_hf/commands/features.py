@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eagle3_hf.commands import add_thinking_argument, say
+from eagle3_hf.commands.options import add_target_argument
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_TOP_K, SPLITS
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -43,7 +44,7 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
+    add_target_argument(parser, default=None, required=True)
     parser.add_argument(
         "--data",
         required=True,

@@ -4,8 +4,10 @@ Without `--prompt` it runs the built-in prompts: the first thing a newcomer runs
 and its numbers must not depend on luck. One run of each method is one sample of a machine that other jobs may share
 (the same prompt once printed 0.17x, then 2.67x), so the answer is streamed once (which also warms both methods up)
 and the speed is then measured over several short repeats, plain and EAGLE-3 in turn, as medians with their spread;
-a spread above `SPREAD_WARNING`, or a load average above the threads used, is said to make the numbers unreliable.
-It says what it loads before torch is imported, so the terminal is never silent for the seconds that takes.
+a spread above `SPREAD_WARNING` is said to make the numbers unreliable. Threads that share a core with another job
+wait for it at every step (2 threads with one core busy ran ten times slower than 1), so it times on the cores that
+are free, and not at all when none is (`eagle3_hf.utils.cpu_load`). It says what it loads before torch is
+imported, so the terminal is never silent for the seconds that takes.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from eagle3_hf.commands import add_thinking_argument
-from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments
+from eagle3_hf.commands.options import add_exact_verify_argument, add_precision_arguments, add_target_argument
 from eagle3_hf.draft_names import LOOKUP_DRAFT, RANDOM_DRAFT, check_draft_option
-from eagle3_hf.modeling.shipped import SHIPPED_DRAFTS
+from eagle3_hf.modeling.shipped import shipped_draft_name
+from eagle3_hf.utils.cpu_load import pick_threads
 
 # Answers a draft predicts well, a list and a piece of code, whose next token mostly follows from what came before:
 # with the shipped SmolLM2 draft nearly every cycle drafts on these. Open-ended prose (the former default asked why
@@ -36,12 +39,7 @@ SPREAD_WARNING = 0.20
 
 
 def add_cli_arguments(parser: Any) -> None:
-    parser.add_argument(
-        "--target",
-        default="smollm2",
-        help='target model: "smollm2" (SmolLM2-135M-Instruct, installed with the data packages), a '
-        "folder, a .gguf file, or a Hub id org/name",
-    )
+    add_target_argument(parser)
     parser.add_argument(
         "--draft",
         default=None,
@@ -78,7 +76,11 @@ def add_cli_arguments(parser: Any) -> None:
         "--repeat-tokens", type=int, default=32, help="new tokens per timed repeat (at most --max-new-tokens)"
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    add_precision_arguments(parser)
+    add_precision_arguments(
+        parser,
+        threads="torch threads; N forces N threads and the timing, busy cores or not (default: one per core that "
+        "other jobs leave free, and no timing when none is)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, mps, ...")
     parser.add_argument("--no-compare", action="store_true", help="skip plain decoding (no speedup, no comparison)")
     add_thinking_argument(parser)
@@ -87,9 +89,13 @@ def add_cli_arguments(parser: Any) -> None:
 
 def _check_options(args: Any) -> None:
     """What can be checked before torch is imported, so that a typo is answered at once."""
-    from eagle3_hf.target_names import resolve_target
+    from eagle3_hf.target_names import hub_target_kwargs, resolve_target
 
-    resolve_target(args.target)  # before the draft: an unknown target is that, not a target without a shipped draft
+    # before the draft: an unknown target is that, not a target without a shipped draft; a Hub id that cannot be
+    # fetched (offline) nor found in the cache is refused now rather than after a minute of retries
+    hub_target_kwargs(*resolve_target(args.target))
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty: pass the text to ask, or leave --prompt out for the built-in prompts.")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}.")
     for name in ("max_new_tokens", "repeats", "repeat_tokens", "threads"):
@@ -107,7 +113,7 @@ def _loading_line(args: Any) -> str:
     from eagle3_hf.target_names import describe_target
 
     if args.draft is None:
-        draft = f"its shipped draft {SHIPPED_DRAFTS[args.target.lower()]}"
+        draft = f"its shipped draft {shipped_draft_name(args.target)}"
     else:
         draft = {RANDOM_DRAFT: "an untrained draft", LOOKUP_DRAFT: "no draft (the context lookup alone)"}.get(
             args.draft, f"the draft {args.draft}"
@@ -115,29 +121,63 @@ def _loading_line(args: Any) -> str:
     return f"Loading {describe_target(args.target)} and {draft} ..."
 
 
-def busy_warning(threads: int, load: float | None = None) -> str | None:
-    """A warning when the last minute's load average (`os.getloadavg`, read before this run adds its own) is above
-    the threads this run uses: other jobs then take cores from it, and its timings are slower and vary more."""
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):  # no load average on this platform (Windows)
-            return None
-    if load <= threads:
-        return None
-    fewer = ", or give it --threads 1" if threads > 1 else ""  # threads that wait for each other slow every step
-    return (
-        f"warning: the load average over the last minute is {load:.2f}, above the {threads} thread(s) this run "
-        "uses: another job is using the CPU, so the timings below are slower and vary more than on an idle "
-        f"machine; rerun when it is idle{fewer}."
+def choose_threads(forced: int | None, cores: int, busy: float | None) -> tuple[int, str | None, bool]:
+    """``(threads, what to say about them, whether to time)`` for a run on `cores` cores of which other jobs keep
+    `busy` in use (None: unknown). Without `--threads` (`forced` None) it takes the free cores (`pick_threads`), and
+    when none is free it still answers on one thread but does not time; `--threads N` is taken as given, with a
+    warning when it asks for more cores than are free."""
+    free = pick_threads(cores, busy)
+    load = "" if busy is None else f"other jobs keep {busy:.1f} of the {cores} cores busy"
+    if forced is not None:
+        if busy is None or forced <= free:
+            return forced, None, True
+        return (
+            forced,
+            f"warning: {load}, so {forced} thread(s) wait for them at every step: the timings below are slower and "
+            "vary more than on an idle machine; rerun when it is idle, or leave --threads out to take the free cores.",
+            True,
+        )
+    if free == 0:
+        return (
+            1,
+            f"not timing: {load}, none free, so a timing would measure them rather than decoding; the answers below "
+            "run on 1 thread. Rerun when a core is free, or force the timing with --threads N.",
+            False,
+        )
+    if free < cores:
+        return free, f"{load}: timing on the {free} free one(s) (--threads N forces N threads).", True
+    return free, None, True
+
+
+def cap_new_tokens(requested: int, prompt_length: int, max_positions: int | None) -> tuple[int, str | None]:
+    """`--max-new-tokens`, capped at the positions the target's context leaves after the prompt (with the line that
+    says so), or a `ValueError` when the prompt alone fills it; `max_positions` None: no known limit."""
+    if max_positions is None or prompt_length + requested <= max_positions:
+        return requested, None
+    room = max_positions - prompt_length
+    if room < 1:
+        raise ValueError(
+            f"The prompt is {prompt_length} tokens, and the target's context holds {max_positions}: no room to answer."
+        )
+    return room, (
+        f"--max-new-tokens {requested} is more than the target's {max_positions} positions leave after this "
+        f"{prompt_length}-token prompt: capped at {room}."
     )
 
 
 def run_cli(args: Any) -> int:
-    from eagle3_hf.utils.precision import default_threads
+    from eagle3_hf.utils.cpu_load import busy_cores, cpu_quota, usable_cpus
 
     _check_options(args)
     print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
+    cpus = usable_cpus()
+    cores = min(len(cpus), cpu_quota() or len(cpus))
+    # sampled while this process sleeps, before it loads anything: only the other jobs' work is counted; on an
+    # accelerator the CPU's load matters less, and under a quota the host's load says little about this container
+    sample = args.device == "cpu" and cores == len(cpus)
+    threads, note, timed = choose_threads(args.threads, cores, busy_cores(cpus) if sample else None)
+    if note:
+        print(note, file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
     import torch
 
     from eagle3_hf.draft_names import load_draft_for
@@ -147,10 +187,6 @@ def run_cli(args: Any) -> int:
     from eagle3_hf.utils.precision import resolve_dtype, short_name
 
     check_device(args.device)
-    threads = args.threads or default_threads()
-    warning = busy_warning(threads)  # read before the models load, which adds this run's own work to the load
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
     torch.set_num_threads(threads)
     dtype = resolve_dtype(args.dtype, args.device)
     target = load_target(args.target, dtype=dtype, device=args.device)
@@ -160,7 +196,7 @@ def run_cli(args: Any) -> int:
         prepack_linears(target)
         if isinstance(draft, torch.nn.Module):  # a ContextLookup has no weights
             prepack_linears(draft)
-    kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
+    kwargs: dict[str, Any] = {}
     if args.temperature > 0:
         kwargs.update(do_sample=True, temperature=args.temperature, top_k=0)
     else:
@@ -180,16 +216,20 @@ def run_cli(args: Any) -> int:
             return_tensors="pt",
             return_dict=True,
         )["input_ids"].to(target.device)
-        _run_prompt(
-            target, draft, tokenizer, ids, dict(kwargs, attention_mask=torch.ones_like(ids)), args, dtype, setup
-        )
+        limit = getattr(target.config, "max_position_embeddings", None)
+        max_new_tokens, capped = cap_new_tokens(args.max_new_tokens, ids.shape[1], limit)
+        if capped:
+            print(capped, flush=True)
+        call = dict(kwargs, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens)
+        _run_prompt(target, draft, tokenizer, ids, call, args, dtype, setup if timed else None)
     return 0
 
 
 def _run_prompt(
-    target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[str, Any], args: Any, dtype: Any, setup: str
+    target: Any, draft: Any, tokenizer: Any, ids: Any, kwargs: dict[str, Any], args: Any, dtype: Any, setup: str | None
 ) -> None:
-    """Stream EAGLE-3's answer and say what it did (tau, drafted share, against plain), then time both methods."""
+    """Stream EAGLE-3's answer and say what it did (tau, drafted share, against plain), then time both methods
+    (`setup`: the precision and threads the timing line names; None: no timing, no core being free)."""
     from transformers import TextStreamer
 
     from eagle3_hf.commands.options import exact_verify_setting
@@ -201,8 +241,9 @@ def _run_prompt(
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # prints as tokens are accepted
     out = target.generate(ids, assistant_model=draft, return_dict_in_generate=True, streamer=streamer, **eagle_kwargs)
     new = out.sequences[0, ids.shape[1] :]
-    if was_cut(new, target.generation_config.eos_token_id, args.max_new_tokens):
-        print(f"[cut at the {args.max_new_tokens}-token limit; --max-new-tokens N lets the answer run longer]")
+    limit = kwargs["max_new_tokens"]
+    if was_cut(new, target.generation_config.eos_token_id, limit):
+        print(f"[cut at the {limit}-token limit; --max-new-tokens N lets the answer run longer]")
     cycles = len(out.accept_lengths)
     drafted = [a for a, n in zip(out.accept_lengths, out.tree_sizes) if n > 1]
     tau = sum(drafted) / len(drafted) if drafted else 0.0
@@ -220,7 +261,9 @@ def _run_prompt(
         plain_new = type(target).generate(target, ids, **kwargs)[0, ids.shape[1] :]
         agreement = _agreement(plain_new, new, args, dtype, out.verification_reason)
         print(f"plain:   {plain_new.numel()} tokens, {agreement}")
-    n = min(args.repeat_tokens, args.max_new_tokens)
+    if setup is None:
+        return
+    n = min(args.repeat_tokens, limit)
     calls = {method: lambda: target.generate(ids, assistant_model=draft, **dict(eagle_kwargs, max_new_tokens=n))}
     if not args.no_compare:  # type(target).generate: the model's own, which bind() does not route to EAGLE-3
         calls["plain"] = lambda: type(target).generate(target, ids, **dict(kwargs, max_new_tokens=n))
@@ -232,16 +275,19 @@ def _run_prompt(
 
 
 def _report_rates(rates: dict[str, list[float]], method: str) -> None:
-    """Each method's median tokens/s and spread, the speedup (the median of the repeats' ratios: each ratio
-    compares runs made close together, so it moves less with the load than the ratio of medians), and a warning
-    when a spread says the machine was busy."""
+    """Each method's median tokens/s and spread, the speedup (the ratio of the two medians printed above it, so
+    that the numbers on the screen agree; its spread is that of the repeats' own ratios), and a warning when a
+    spread says the machine was busy."""
     spreads = {name: spread(values) for name, values in rates.items()}
-    for name, values in rates.items():
-        print(f"  {name:<8} {statistics.median(values):6.1f} tok/s  (spread {spreads[name]:.0%})")
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    for name in rates:
+        print(f"  {name:<8} {medians[name]:6.1f} tok/s  (spread {spreads[name]:.0%})")
     if "plain" in rates:
-        ratios = [e / p for e, p in zip(rates[method], rates["plain"])]
-        spreads["speedup"] = spread(ratios)
-        print(f"  speedup  {statistics.median(ratios):6.2f}x      (spread {spreads['speedup']:.0%})")
+        spreads["speedup"] = spread([e / p for e, p in zip(rates[method], rates["plain"])])
+        print(
+            f"  speedup  {medians[method] / medians['plain']:6.2f}x      (the ratio of the medians; the repeats' "
+            f"ratios spread {spreads['speedup']:.0%})"
+        )
     noisy = {name: s for name, s in spreads.items() if s > SPREAD_WARNING}
     if noisy:
         print(

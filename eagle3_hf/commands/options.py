@@ -1,5 +1,6 @@
-"""Options that several subcommands share: precision and threads (`--dtype`, `--no-prepack`, `--threads`) and
-row-exact verification (`--exact-verify`). What they resolve to is `eagle3_hf.utils.precision`'s."""
+"""Options that several subcommands share: the target (`--target`, described the same way everywhere), precision and
+threads (`--dtype`, `--no-prepack`, `--threads`) and row-exact verification (`--exact-verify`). What they resolve to
+is `eagle3_hf.target_names`' and `eagle3_hf.utils.precision`'s."""
 
 from __future__ import annotations
 
@@ -7,11 +8,33 @@ from typing import Any
 
 from eagle3_hf.utils.precision import DTYPE_CHOICES
 
-__all__ = ["add_exact_verify_argument", "add_precision_arguments", "exact_verify_setting"]
+__all__ = [
+    "TARGET_HELP",
+    "add_exact_verify_argument",
+    "add_precision_arguments",
+    "add_target_argument",
+    "exact_verify_setting",
+]
+
+# What `--target` takes, in every subcommand (`eagle3_hf.target_names.resolve_target` reads it).
+TARGET_HELP = (
+    'target model: "smollm2" (SmolLM2-135M-Instruct, installed with the data packages), a folder (config.json or '
+    "one .gguf file), a .gguf file, or a Hub id org/name"
+)
 
 
-def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
-    """The `--dtype`, `--no-prepack` and `--threads` options that the decoding commands share."""
+def add_target_argument(parser: Any, default: str | None = "smollm2", required: bool = False, use: str = "") -> None:
+    """`--target`, with `TARGET_HELP` and, after it, what this subcommand uses the target for (`use`)."""
+    tail = f"; {use}" if use else ""
+    shown = f" (default: {default})" if default is not None and not required else ""
+    parser.add_argument("--target", default=default, required=required, help=TARGET_HELP + tail + shown)
+
+
+def add_precision_arguments(
+    parser: Any, what: str = "decoding", threads: str = "torch threads (default: all cores)"
+) -> None:
+    """The `--dtype`, `--no-prepack` and `--threads` options that the decoding commands share (`threads`: the
+    help of `--threads`)."""
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -19,7 +42,12 @@ def add_precision_arguments(parser: Any, what: str = "decoding") -> None:
         help=f"precision of {what}; auto: bf16 where the hardware has native bf16 matmul, else fp32",
     )
     parser.add_argument("--no-prepack", action="store_true", help="keep bf16 CPU weights unpacked (see PackedLinear)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=threads,
+    )
 
 
 def add_exact_verify_argument(parser: Any) -> None:

@@ -6,10 +6,11 @@ import argparse
 
 from eagle3_hf.commands import add_thinking_argument, say
 from eagle3_hf.commands.features import add_storage_arguments, parse_layer_ids
+from eagle3_hf.commands.options import TARGET_HELP
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help='target model: a folder, a .gguf file, or "smollm2"')
+    parser.add_argument("--target", required=True, help=TARGET_HELP)
     parser.add_argument("--data", required=True, help="conversations: ShareGPT/messages/Alpaca JSON or JSONL")
     parser.add_argument("--output", required=True, help="folder for the regenerated JSONL shards (resumable)")
     parser.add_argument("--max-conversations", type=int, default=None, help="read at most this many conversations")

@@ -30,6 +30,7 @@ from eagle3_hf.commands import (
     say,
     split_config,
 )
+from eagle3_hf.commands.options import TARGET_HELP
 from eagle3_hf.commands.train_checks import ARCHITECTURE_FLAGS, check_train_arguments, resume_checkpoint
 from eagle3_hf.commands.train_draft import build_draft
 from eagle3_hf.commands.vocab import draft_vocab_size_arg
@@ -43,7 +44,7 @@ DESCRIPTION = "Train an EAGLE-3 draft with Trainer.train() and the TTT loss."
 class TrainCommandArguments:
     """What `eagle3-hf train` adds to `Eagle3TrainingArguments`: the target, the data and how to start."""
 
-    target: str = field(metadata={"help": "target model: 'smollm2', a folder, a .gguf file, or a Hub id org/name"})
+    target: str = field(metadata={"help": TARGET_HELP})
     data: list[str] | None = field(
         default=None,
         metadata={

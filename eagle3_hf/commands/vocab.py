@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from eagle3_hf.commands import add_thinking_argument, say
+from eagle3_hf.commands.options import add_target_argument
 from eagle3_hf.training.arguments import DEFAULT_HELD_OUT_FRACTION, DEFAULT_MIN_COVERAGE
 
 
@@ -50,7 +51,7 @@ def add_vocab_size_arguments(parser: argparse.ArgumentParser, default: int | str
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help='target (tokenizer and vocabulary): a folder, .gguf, "smollm2"')
+    add_target_argument(parser, default=None, required=True, use="its tokenizer and vocabulary")
     parser.add_argument(
         "--data",
         required=True,

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from eagle3_hf.modeling.checkpoint_check import WEIGHT_FILES
 from eagle3_hf.modeling.layouts import CONFIG_NAME, detect_layout, normalize_key
 from eagle3_hf.modeling.shipped import shipped_draft_folder, unknown_draft_hint
+from eagle3_hf.utils.hub import hub_kwargs_for, is_hub_id
 
 __all__ = [
     "CORPUS_FILE",
@@ -30,13 +32,6 @@ __all__ = [
     "read_weights",
 ]
 
-# Looked up in this order; a single file wins over a stale index of an older sharded save in the same folder.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 HUB_KWARGS = ("revision", "cache_dir", "token", "force_download", "local_files_only", "subfolder", "proxies")
 # A draft's corpus of its target's earlier answers, saved beside it (eagle3_hf.generation.corpus_index); never weights.
 CORPUS_FILE = "corpus.safetensors"
@@ -53,6 +48,12 @@ def _resolve_folder(path_or_id: str | os.PathLike, hub_kwargs: dict[str, Any]) -
     shipped = shipped_draft_folder(path)
     if shipped is not None:
         return os.path.join(shipped, subfolder)
+    if not is_hub_id(path):  # not worth a request: say what it is not, at once
+        raise ValueError(
+            f"{path!r}: no such folder, draft shipped with eagle3_hf ({unknown_draft_hint(path)}) or Hub id 'org/name'."
+        )
+    if not hub_kwargs.get("local_files_only"):  # offline: the cache at once, not a minute of retries
+        hub_kwargs = {**hub_kwargs, **hub_kwargs_for(path, "the draft")}
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 

@@ -23,7 +23,9 @@ __all__ = [
     "SHORT_NAME_HUB_IDS",
     "SMOLLM2",
     "default_prompts_path",
+    "short_name_of",
     "shipped_draft_folder",
+    "shipped_draft_name",
     "shipped_draft_names",
     "shipped_draft_path",
     "shipped_gguf",
@@ -87,17 +89,32 @@ SHORT_NAME_HUB_IDS = {SMOLLM2: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 SHIPPED_DRAFTS = {SMOLLM2: "smollm2-135m-instruct"}
 
 
+def short_name_of(target_name: str | os.PathLike) -> str | None:
+    """The short name (a key of `SHORT_NAME_HUB_IDS`) that `target_name` is, or whose Hub id it is (any case), else
+    None: "HuggingFaceTB/SmolLM2-135M-Instruct" is "smollm2", whose draft ships with the package."""
+    key = os.fspath(target_name).lower()
+    if key in SHORT_NAME_HUB_IDS:
+        return key
+    return next((short for short, hub_id in SHORT_NAME_HUB_IDS.items() if hub_id.lower() == key), None)
+
+
+def shipped_draft_name(target_name: str | os.PathLike) -> str | None:
+    """The name of the draft shipped for a target named by its short name or its Hub id, or None."""
+    return SHIPPED_DRAFTS.get(short_name_of(target_name) or "")
+
+
 def shipped_draft_path(target_name: str) -> str:
-    """Folder of the draft shipped for `target_name`; ValueError if there is none."""
-    key = str(target_name).lower()
-    if key not in SHIPPED_DRAFTS:
+    """Folder of the draft shipped for `target_name` (a short name or its Hub id); ValueError if there is none."""
+    name = shipped_draft_name(target_name)
+    if name is None:
+        shipped = ", ".join(f"{short!r} ({SHORT_NAME_HUB_IDS[short]})" for short in SHIPPED_DRAFTS)
         raise ValueError(
-            f"No draft is shipped for target {target_name!r} (shipped: {sorted(SHIPPED_DRAFTS)}); pass a draft folder."
+            f"No draft is shipped for target {target_name!r} (shipped for: {shipped}); pass a draft folder."
         )
-    path = shipped_draft_folder(SHIPPED_DRAFTS[key])
+    path = shipped_draft_folder(name)
     if path is None:
         raise ValueError(
-            f"The shipped draft for {target_name!r}, {SHIPPED_DRAFTS[key]!r}, is missing from this "
+            f"The shipped draft for {target_name!r}, {name!r}, is missing from this "
             "installation (eagle3_hf/drafts/); reinstall eagle3-hf."
         )
     return path
