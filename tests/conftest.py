@@ -3,6 +3,7 @@ a tiny chat target."""
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -11,6 +12,12 @@ from transformers import AutoTokenizer
 
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import cached_plain_copy
+
+# The tests never read or write the user's cache of row-invariance probe answers (generation/probe_cache.py): an
+# answer kept from another checkout or torch build must not decide a test, and tests write nothing into $HOME. Tests
+# of that cache point it at a temporary folder; subprocesses (the CLI's tests) inherit this.
+os.environ["EAGLE3_HF_PROBE_CACHE"] = "off"
+os.environ.pop("EAGLE3_HF_REFRESH_PROBE", None)
 
 # The CPU always; CUDA when this machine has it, in fp32 and in the half-precision types it runs. On a CPU-only
 # machine the device-parametrised tests run once, as before (scripts/gpu_check.sh runs them on CUDA).
