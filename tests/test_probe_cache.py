@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_verify_choice import probes  # noqa: F401 (a fixture: counts the probe's runs)
 
-import eagle3_hf.generation.verify_choice as verify_choice
 from eagle3_hf.generation.probe_cache import CACHE_ENV, REFRESH_ENV, probe_cache_dir, probe_key
 from eagle3_hf.generation.verify_choice import probe_for_target
 
@@ -55,20 +55,12 @@ make_target = _namespace["make_target"]
 
 
 @pytest.fixture
-def cache(monkeypatch, tmp_path):
+def cache(monkeypatch, tmp_path, probes):
     """The probe's disk cache in a temporary folder; returns (folder, list of probe runs)."""
     folder = tmp_path / "probes"
     monkeypatch.setenv(CACHE_ENV, str(folder))
     monkeypatch.delenv(REFRESH_ENV, raising=False)
-    runs = []
-    real = verify_choice.probe_row_exactness
-
-    def counted(model, *args, **kwargs):
-        runs.append(model)
-        return real(model, *args, **kwargs)
-
-    monkeypatch.setattr(verify_choice, "probe_row_exactness", counted)
-    return folder, runs
+    return folder, probes
 
 
 def test_a_second_process_does_not_run_the_probe_again(cache):
