@@ -14,44 +14,61 @@ from typing import TYPE_CHECKING
 import torch
 
 from eagle3_hf.generation.target_cache import worth_compacting
+from eagle3_hf.generation.transfers import read, upload
 
 if TYPE_CHECKING:
     from eagle3_hf.generation.engine import DecodeRun
 
-__all__ = ["emit", "retire_rows", "score_steps", "sequence_length", "sequences", "stream"]
+__all__ = ["emit", "emit_plan", "retire_rows", "score_steps", "sequence_length", "sequences", "stream"]
+
+
+def emit_plan(run: DecodeRun, new_tokens: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """Where each active row's new tokens go in the output: (rows, columns, tokens), one entry per token (a finished
+    row running on stops at the longest possible output)."""
+    rows, columns, values = [], [], []
+    for row, tokens in zip(run.active, new_tokens):
+        for k, token in enumerate(tokens[: run.out.shape[1] - run.lengths[row]]):
+            rows.append(row)
+            columns.append(run.lengths[row] + k)
+            values.append(token)
+    return rows, columns, values
 
 
 def emit(
-    run: DecodeRun, new_tokens: list[list[int]], scores: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    run: DecodeRun,
+    new_tokens: list[list[int]],
+    scores: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> list[int]:
     """Append each active row's tokens, checking its stopping criteria after each (as plain generate() checks every
     row after every token). A row whose criteria fire keeps no later token when finished rows are padded (and a
     single row never does); otherwise it runs on (plain generate() keeps its real tokens) without further checks.
     Returns how many tokens each row appended. `scores`: per row, the processed scores and raw logits of its new
-    tokens' steps (`[n, V]` each, read only where the output asks for them; `NodeScores.path_rows`).
+    tokens' steps (`[n, V]` each, read only where the output asks for them; `NodeScores.path_rows`). `placed`:
+    `emit_plan`'s lists already on the device (the loop uploads them with the cycle's other lists); else uploaded
+    here.
 
     The criteria are called on every new token's prefix first and their flags read together: one read per cycle,
     whatever the rows and tokens."""
     given = len(new_tokens[0])
     # a finished row running on stops at the longest possible output
     new_tokens = [tokens[: run.out.shape[1] - run.lengths[row]] for row, tokens in zip(run.active, new_tokens)]
-    rows = [row for row, tokens in zip(run.active, new_tokens) for _ in tokens]
-    columns = [run.lengths[row] + k for row, tokens in zip(run.active, new_tokens) for k in range(len(tokens))]
-    if rows:
-        index = (torch.tensor(rows, device=run.device), torch.tensor(columns, device=run.device))
-        run.out[index] = torch.tensor([t for tokens in new_tokens for t in tokens], device=run.device)
+    if placed is None:
+        placed = tuple(upload(run.device, *emit_plan(run, new_tokens)))
+    if placed[0].numel():
+        run.out[placed[:2]] = placed[2]
     flags = []
     for (row, tokens), (processed, _) in zip(zip(run.active, new_tokens), scores):
         if run.stop_lengths[row] is None:
             for k in range(len(tokens)):
                 ids = run.out[row : row + 1, : run.lengths[row] + k + 1]
                 flags.append(run.stopping_criteria(ids, processed[k : k + 1] if run.output_scores else None))
-    fired = iter(torch.cat(flags).tolist() if flags else [])
+    fired = iter(read([torch.cat(flags)])[0] if flags else [])
     emitted = []
     for (row, tokens), (processed, raw) in zip(zip(run.active, new_tokens), scores):
         count = len(tokens)
         if run.stop_lengths[row] is None:
-            hits = [next(fired) for _ in tokens]
+            hits = [bool(next(fired)) for _ in tokens]
             if True in hits:
                 run.stop_lengths[row] = run.lengths[row] + hits.index(True) + 1
                 if run.pad_finished or run.batch_size == 1:
@@ -86,9 +103,10 @@ def retire_rows(run: DecodeRun) -> None:
 
     keep = [i for i, row in enumerate(run.active) if needed(row)]
     if keep and len(keep) < len(run.active):
-        index = torch.tensor(keep, device=run.device)
+        (index,) = upload(run.device, keep)
         run.columns.select_rows(run.cache, index)
-        run.proposer.select_rows(keep)
+        run.proposer.select_rows(keep, index)
+        run.root_ids = run.root_ids[index]
     run.active = [run.active[i] for i in keep]
     if run.active and worth_compacting(run.columns.valid.shape[1], run.longest_cached()):
         run.columns.compact(run.cache, run.longest_cached())

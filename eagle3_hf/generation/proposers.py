@@ -19,7 +19,6 @@ Three ship:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -40,8 +39,10 @@ from eagle3_hf.generation.hybrid import (
     merge_candidates,
     observe_nodes,
 )
+from eagle3_hf.generation.node_scores import reads_are_free
 from eagle3_hf.generation.sampled_trees import build_sampled_trees
 from eagle3_hf.generation.target_cache import worth_compacting
+from eagle3_hf.generation.transfers import read
 from eagle3_hf.generation.tree import DraftTree, HostTree
 from eagle3_hf.generation.verification import AcceptResult
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
@@ -60,9 +61,18 @@ class Proposal:
     consulted: bool = False  # the draft was consulted (the cost model scores what that gained)
 
 
-def root_only(token: int, device: torch.device) -> RowTree:
-    """A tree of the root alone: the row takes a plain step."""
-    return RowTree(DraftTree.from_lists(HostTree([token], [-1], [0.0]), device))
+def root_only(token: int, root: torch.Tensor) -> RowTree:
+    """A tree of the root alone (`token`, already on the device as `root`, a 1-element tensor): a plain step of the
+    row, built without a transfer."""
+    host = HostTree([token], [-1], [0.0])
+    return RowTree(
+        DraftTree(
+            root.long(),
+            torch.full_like(root, -1, dtype=torch.long),
+            torch.zeros_like(root, dtype=torch.float32),
+            host=host,
+        )
+    )
 
 
 class Proposer:
@@ -94,8 +104,9 @@ class Proposer:
         the token that follows each `[A, W]` (`keep` `[A, W]`: the column is one of the row's). The proposal's trees
         carry their `host` lists by then."""
 
-    def select_rows(self, rows: list[int]) -> None:
-        """Only the active rows `rows` (indices into the current ones) go on (the others finished)."""
+    def select_rows(self, rows: list[int], index: torch.Tensor) -> None:
+        """Only the active rows `rows` (indices into the current ones; `index`, the same on the device) go on (the
+        others finished)."""
 
     def finish(self, run: DecodeRun) -> None:
         """The call is over (`run.out` holds every row's output)."""
@@ -125,22 +136,31 @@ class DraftProposer(Proposer):
         if not run.adaptive_tree:
             return True, True
         probs = torch.softmax(self.state.last_logits.float() / run.temperature, dim=-1)
-        return True, run.cost.worth_drafting(probs.topk(min(run.budget.top_k, probs.shape[-1]), dim=-1).values)
+        best = probs.topk(min(run.budget.top_k, probs.shape[-1]), dim=-1).values  # [A, k]
+        (values,) = read([best])  # the one read of the decision to draft
+        return True, run.cost.worth_drafting(
+            [values[i : i + best.shape[1]] for i in range(0, len(values), best.shape[1])]
+        )
 
     def trees(self, run: DecodeRun, roots: torch.Tensor, totals: list[int] | None = None) -> list[DraftTree]:
         """Every row's tree (sampled trees of at most `totals[row]` nodes); times the draft's forwards."""
-        cost, state, rows = run.cost, self.state, roots.numel()
-        start, calls = time.perf_counter(), state.forward_calls
+        cost, state, rows, clock = run.cost, self.state, roots.numel(), run.clock
+        start, calls = clock.mark(), state.forward_calls
         if run.do_sample:
             grow = (lambda best, nodes: cost.worth_deeper(best * rows, nodes)) if run.adaptive_tree else None
             trees = build_sampled_trees(
                 self.draft, state, roots, replace(run.budget, grow=grow), run.temperature, totals
             )
         else:
-            budget = replace(run.budget, grow=cost.worth_deeper if run.adaptive_tree else None)
-            trees = build_greedy_trees(self.draft, state, roots, budget)
-        if state.forward_calls > calls:
-            cost.draft_step.observe(rows, (time.perf_counter() - start) / (state.forward_calls - calls))
+            # deciding each level reads its best node: where a read costs a synchronisation the tree is drafted to its
+            # full depth, and the cost model sizes it from the one read of the whole tree (engine.propose)
+            per_level = run.adaptive_tree and reads_are_free(roots.device)
+            trees = build_greedy_trees(
+                self.draft, state, roots, replace(run.budget, grow=cost.worth_deeper if per_level else None)
+            )
+        forwards = state.forward_calls - calls
+        if forwards:
+            clock.later(start, clock.mark(), lambda seconds: cost.draft_step.observe(rows, seconds / forwards))
         return trees
 
     def propose(self, run, roots) -> Proposal:
@@ -152,8 +172,8 @@ class DraftProposer(Proposer):
     def observe(self, run, proposal, results, features, tokens, keep) -> None:
         self.state.add_verified(features, tokens, keep)
 
-    def select_rows(self, rows) -> None:
-        self.state.select_rows(torch.tensor(rows, device=self.draft.device))
+    def select_rows(self, rows, index) -> None:
+        self.state.select_rows(index)
 
 
 class LookupProposer(Proposer):
@@ -185,13 +205,13 @@ class LookupProposer(Proposer):
     def rows(self, run: DecodeRun, tries: list[Candidates]) -> list[RowTree] | None:
         """Lookup-only trees (None when no row has a continuation)."""
         trees, total = [], run.budget.total_tokens
-        for root, cands in zip(run.roots(), tries):  # a row without a continuation gets the root alone
+        for i, (root, cands) in enumerate(zip(run.roots(), tries)):  # without a continuation: the root alone
             if run.do_sample:
                 chosen = best_lookup_nodes(cands.trie, cands.cond, total - 1)
-                base = root_only(root, run.device).tree
+                base = root_only(root, run.root_ids[i : i + 1]).tree
                 trees.append(graft_sampled(base, cands, chosen) if chosen else RowTree(base))
             else:
-                trees.append(graft(HostTree([root], [-1], [0.0]), cands, total, run.device))
+                trees.append(graft(HostTree([root], [-1], [0.0]), cands, total))
         return trees if any(row.tree.num_nodes > 1 for row in trees) else None
 
     def propose(self, run, roots) -> Proposal:
@@ -206,7 +226,7 @@ class LookupProposer(Proposer):
             if self.corpus is not None and row.match is not None:
                 self.corpus.observe(row.tree.host.parents, row.match[CORPUS], result.path)
 
-    def select_rows(self, rows) -> None:
+    def select_rows(self, rows, index) -> None:
         self.lookups = [self.lookups[i] for i in rows] if self.context else []
 
     def finish(self, run) -> None:
@@ -250,7 +270,7 @@ class HybridProposer(LookupProposer):
         else:
             drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
             rows = [
-                graft(tree.host, cands, total, tree.tokens.device) if cands.trie.num_nodes > 1 else RowTree(tree)
+                graft(tree.host, cands, total) if cands.trie.num_nodes > 1 else RowTree(tree)
                 for tree, cands in zip(drafted, tries)
             ]
         return Proposal(rows, consulted=True)
@@ -259,9 +279,9 @@ class HybridProposer(LookupProposer):
         self.draft.observe(run, proposal, results, features, tokens, keep)
         super().observe(run, proposal, results, features, tokens, keep)
 
-    def select_rows(self, rows) -> None:
-        self.draft.select_rows(rows)
-        super().select_rows(rows)
+    def select_rows(self, rows, index) -> None:
+        self.draft.select_rows(rows, index)
+        super().select_rows(rows, index)
 
 
 def build_proposer(
