@@ -263,7 +263,7 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
     """Put the candidates' trie nodes `lookup_nodes` (a prefix-closed set, in trie order) first, as point-mass
     proposals, then the sampled draft tree's nodes minus the root's children equal to a lookup depth-1 token (and
     their subtrees). The draft_probs rows of lookup nodes are unused (their children are lookup nodes only)."""
-    device, trie = tree.tokens.device, cands.trie
+    trie = cands.trie
     t_tokens, t_parents, t_scores = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
     new_of_trie = {i: new for new, i in enumerate([0, *lookup_nodes])}
     parents = [-1] + [new_of_trie[trie.parents[i]] for i in lookup_nodes]
@@ -287,7 +287,7 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
     scores += [t_scores[c] for c in kept]
     sources = [0] + [cands.sources[i] for i in lookup_nodes] + [DRAFT] * len(kept)
     match = {source: [0] + [m[i] for i in lookup_nodes] + [0] * len(kept) for source, m in cands.match.items()}
-    probs = tree.draft_probs[upload(device, rows)[0]] if tree.draft_probs is not None else None
+    probs = tree.draft_probs[upload(tree.draft_probs.device, rows)[0]] if tree.draft_probs is not None else None
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
     merged = DraftTree.on_host(HostTree(tokens, parents, array("f", scores).tolist()), probs)

@@ -72,6 +72,14 @@ def upload(device: torch.device, *arrays: Sequence, floats: Sequence[int] = ()) 
             torch.tensor(values, dtype=torch.float32 if i in floats else torch.long).reshape(_flat(values)[1])
             for i, values in enumerate(arrays)
         ]
+    staged, sizes = _stage(arrays, floats)
+    if device.type == "cuda":
+        staged = staged.pin_memory()
+    return _unstage(staged.to(device, non_blocking=device.type == "cuda"), sizes, floats)
+
+
+def _stage(arrays: Sequence[Sequence], floats: set[int]) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """The arrays packed into one host int64 tensor (float32 values as their bits), and each one's shape."""
     chunks, shapes = [], []
     for i, values in enumerate(arrays):
         flat, shape = _flat(values)
@@ -80,14 +88,17 @@ def upload(device: torch.device, *arrays: Sequence, floats: Sequence[int] = ()) 
         else:
             chunks.append(torch.tensor(flat, dtype=torch.long))
         shapes.append(shape)
-    staged = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)
-    if device.type == "cuda":
-        staged = staged.pin_memory()
-    on_device = staged.to(device, non_blocking=device.type == "cuda")
+    return (torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.long)), shapes
+
+
+def _unstage(staged: torch.Tensor, shapes: list[tuple[int, ...]], floats: set[int]) -> list[torch.Tensor]:
+    """`_stage`'s arrays back, as views of `staged` (wherever it is now)."""
     out, start = [], 0
     for i, shape in enumerate(shapes):
-        n = chunks[i].numel()
-        part = on_device[start : start + n]
+        n = 1
+        for size in shape:
+            n *= size
+        part = staged[start : start + n]
         out.append((part.int().view(torch.float32) if i in floats else part).reshape(shape))
         start += n
     return out
@@ -110,8 +121,8 @@ def read(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
 
 @dataclass
 class Clock:
-    """The cost model's clock on `device`: marks are `perf_counter` seconds on the CPU (and other devices), CUDA
-    events on CUDA, recorded in the stream so that taking one never waits."""
+    """The cost model's clock on `device`: marks are `perf_counter` seconds on the CPU (and other devices); on CUDA
+    a CUDA event recorded in the stream (taking one never waits) with the host's time beside it."""
 
     device: torch.device
     _pending: list[tuple[Any, Any, Callable[[float], None]]] = field(default_factory=list)
@@ -125,17 +136,17 @@ class Clock:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        return event
+        return event, time.perf_counter()
 
     def seconds(self, start: Any, end: Any) -> float:
-        """Seconds from mark `start` to mark `end`. On CUDA `end` has normally been reached already (a `read` came
-        after it); if not, this waits for it."""
+        """Seconds from mark `start` to mark `end`, never waiting: on CUDA the events' time where the device has
+        reached `end` (a `read` came after it), else the host's (a read between the marks made the device catch up
+        then, so the host's time covers the device's work)."""
         if not self.events:
             return end - start
-        if not end.query():
-            with _sync_allowed(self.device):
-                end.synchronize()
-        return start.elapsed_time(end) / 1000.0
+        if end[0].query():
+            return start[0].elapsed_time(end[0]) / 1000.0
+        return end[1] - start[1]
 
     def later(self, start: Any, end: Any, then: Callable[[float], None]) -> None:
         """Hand `then` the seconds from `start` to `end`: now on the CPU, at the next `settle` on CUDA."""
