@@ -122,7 +122,8 @@ class CycleStats:
 @dataclass(frozen=True)
 class CycleView:
     """What a proposer may read of the current cycle (never the run itself): the tree options, the active rows'
-    sequences and roots, and the cost model it consults and feeds its draft timings, with the clock to time them."""
+    sequences and roots, and the cost model it consults and feeds its draft timings, with the clock to time them.
+    A live view, valid during the call it is handed to (the loop builds a new one for every call)."""
 
     budget: TreeBudget
     do_sample: bool
