@@ -23,11 +23,12 @@ BENCH_TIMEOUT="${BENCH_TIMEOUT:-120}"
 # This checkout's package, whatever an installed copy says.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-# The tests that take the `device` / `device_dtype` fixtures (tests/conftest.py), and one that exists only on CUDA.
+# The tests that take the `device` / `device_dtype` fixtures (tests/conftest.py), and two that exist only on CUDA.
 TESTS=(
   tests/test_generation.py::test_greedy_matches_plain_generate
   tests/test_generation.py::test_half_precision_tokens_are_the_targets_greedy_choices_on_cuda
-  tests/test_sync_count.py::test_a_cycle_reads_the_host_a_bounded_number_of_times
+  tests/test_sync_count.py::test_a_cycle_transfers_a_bounded_number_of_times
+  tests/test_sync_count.py::test_a_cycle_never_synchronises_outside_its_reads_on_cuda
   tests/test_modeling.py::test_from_target_builds_a_working_draft
   tests/test_trainer.py::test_training_lowers_the_loss_and_raises_acc0
 )
@@ -60,6 +61,8 @@ if ! gpu_present && ! torch_has_cuda; then
    $PYTHON -m pytest -q ${TESTS[*]} -k cuda
    - greedy EAGLE-3 output identical to plain greedy decoding, 5 families x 5 tree shapes, fp32;
    - each emitted token the target's greedy choice up to rounding, 5 families, fp16 and bf16 (if supported);
+   - a decoding cycle's transfers bounded (rows 1/4/8, trees of 30 and 60 nodes), and no synchronisation in a
+     cycle but its counted reads (torch.cuda.set_sync_debug_mode("error"));
    - a draft's forward and cached step on the device in fp32, fp16 and bf16;
    - 80 training steps lowering the loss and raising acc_0, in fp32 and with fp16 / bf16 mixed precision;
 3. benchmark SmolLM2-135M-Instruct with its shipped draft on CUDA, at most ${BENCH_TIMEOUT} s:

@@ -3,6 +3,7 @@ a tiny chat target."""
 
 import contextlib
 import json
+import os
 import pathlib
 
 import pytest
@@ -13,6 +14,12 @@ from transformers import AutoTokenizer
 from eagle3_hf.modeling.shipped import SMOLLM2
 from eagle3_hf.targets import cached_plain_copy
 from eagle3_hf.utils import tiny
+
+# The tests never read or write the user's cache of row-invariance probe answers (generation/probe_cache.py): an
+# answer kept from another checkout or torch build must not decide a test, and tests write nothing into $HOME. Tests
+# of that cache point it at a temporary folder; subprocesses (the CLI's tests) inherit this.
+os.environ["EAGLE3_HF_PROBE_CACHE"] = "off"
+os.environ.pop("EAGLE3_HF_REFRESH_PROBE", None)
 
 
 def _dtype_id(case: tuple[str, torch.dtype]) -> str:

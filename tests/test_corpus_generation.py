@@ -160,7 +160,7 @@ def test_merged_candidates_keep_each_sources_match_and_the_larger_estimate():
     assert merged.sources == [0, LOOKUP | CORPUS, LOOKUP, LOOKUP, CORPUS]
     assert merged.match == {LOOKUP: [0, 3, 4, 5, 0], CORPUS: [0, 5, 0, 0, 6]}
     assert merged.cond[1] == pytest.approx(0.9) and merged.cond[2] == ctx.cond[2]
-    row = graft(HostTree([9], [-1], [0.0]), merged, total_tokens=3, device=torch.device("cpu"))
+    row = graft(HostTree([9], [-1], [0.0]), merged, total_tokens=3)
     assert row.tree.tokens.tolist() == [9, 1, 6] and row.sources == [0, LOOKUP | CORPUS, CORPUS]  # corpus's 0.81 wins
     assert row.match == {LOOKUP: [0, 3, 0], CORPUS: [0, 5, 6]}
     assert source_counts([0, 1, 2, 4, 3, 6], [0, 1, 2, 3, 4, 5], 5) == (1, 1, 1, 2)
@@ -169,7 +169,7 @@ def test_merged_candidates_keep_each_sources_match_and_the_larger_estimate():
 def test_the_corpus_hit_rates_are_learnt_from_its_own_nodes(cases, monkeypatch):
     source = open_corpus(CorpusIndex.build([[1, 2, 3, 4]] * 2, vocab_size=V), V, depth=4)
     found = source.propose(torch.tensor([9, 1, 2]))
-    row = graft(HostTree([2], [-1], [0.0]), found, total_tokens=8, device=torch.device("cpu"))
+    row = graft(HostTree([2], [-1], [0.0]), found, total_tokens=8)
     tree, corpus_match = row.tree, row.match[CORPUS]
     assert tree.tokens.tolist() == [2, 3, 4] and row.match == {LOOKUP: [0, 0, 0], CORPUS: [0, 2, 3]}
     prior = source.stats.rate(2)

@@ -230,11 +230,11 @@ def test_the_trie_feeds_the_hybrid_trees():
     trie = index.lookup([0, 4, 5], CorpusOptions(depth=3))
     assert trie_paths(trie) == [((6,), 3), ((6, 7), 2)] and trie.match == [2, 2, 2]
     cands = Candidates.of(trie, LookupStats())
-    row = graft(HostTree([5], [-1], [0.0]), cands, total_tokens=8, device=torch.device("cpu"))
+    row = graft(HostTree([5], [-1], [0.0]), cands, total_tokens=8)
     tree, sources = row.tree, row.sources
     assert tree.tokens.tolist() == [5, 6, 7] and tree.parents.tolist() == [-1, 0, 1] and sources == [0, LOOKUP, LOOKUP]
     assert row.match[LOOKUP] == [0, 2, 3]  # effective match: the 2 tokens matched, then the continuation's tokens above
-    merged = graft(tree.host, cands, total_tokens=8, device=tree.tokens.device)  # a second source: equal nodes merge
+    merged = graft(tree.host, cands, total_tokens=8)  # a second source: equal nodes merge
     assert merged.tree.tokens.tolist() == [5, 6, 7] and merged.sources == [0, BOTH, BOTH]
 
 

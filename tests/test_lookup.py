@@ -126,7 +126,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     trie = build_trie([7, 1, 4, 5, 7], [(1, 8)], depth=3)
     assert trie.tokens == [-1, 1, 4, 5]
     cands = Candidates.of(trie, LookupStats())
-    row = graft(draft.host, cands, total_tokens=10, device=torch.device("cpu"))
+    row = graft(draft.host, cands, total_tokens=10)
     tree, sources, match = row.tree, row.sources, row.match[LOOKUP]
     assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 4]
@@ -137,7 +137,7 @@ def test_graft_merges_equal_nodes_and_keeps_the_best():
     assert est[4] == pytest.approx(est[1] * LookupStats().rate(9))
     # estimates never increase from parent to child, so a cut keeps parents
     assert all(est[c] <= est[p] + 1e-9 for c, p in enumerate(tree.parents.tolist()) if p >= 0)
-    cut = graft(draft.host, cands, total_tokens=4, device=torch.device("cpu"))
+    cut = graft(draft.host, cands, total_tokens=4)
     kept = cut.tree.tokens.tolist()
     assert len(kept) == 4 and kept[:2] == [9, 1] and cut.sources[1] == BOTH
     assert source_counts(sources, [0, 1, 4], 2) == (0, 1, 0, 1)

@@ -9,8 +9,10 @@ import pytest
 import torch
 from helpers.exact import RowDependentMLP, V, bf16_target
 from helpers.exactness import rowwise_linears
+from helpers.probes import (
+    probes,  # noqa: F401 (fixture)
+)
 
-import eagle3_hf.generation.verify_choice as verify_choice
 from eagle3_hf import Eagle3DraftModel, bind_target
 from eagle3_hf.generation.verify_choice import PROVEN, check_exact_verify, choose_verification
 
@@ -38,20 +40,6 @@ def generate(target, draft, **kwargs):
         return_dict_in_generate=True,
         **kwargs,
     )
-
-
-@pytest.fixture
-def probes(monkeypatch):
-    """Counts the probe runs."""
-    calls = []
-    real = verify_choice.probe_row_exactness
-
-    def counted(model, *args, **kwargs):
-        calls.append(model)
-        return real(model, *args, **kwargs)
-
-    monkeypatch.setattr(verify_choice, "probe_row_exactness", counted)
-    return calls
 
 
 def test_auto_runs_row_exact_where_the_probe_proves_it_and_output_equals_plain(probes):

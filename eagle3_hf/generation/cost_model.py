@@ -36,17 +36,17 @@ class LinearCost:
         self.samples.append((float(n), float(seconds)))
 
     def coefficients(self) -> tuple[float, float]:
+        # plain floats: the fit runs on the host every cycle and must read no tensor (transfers.py)
         if not self.samples:
             return self.prior_a, self.prior_b
-        xs = torch.tensor([s[0] for s in self.samples], dtype=torch.float64)
-        ts = torch.tensor([s[1] for s in self.samples], dtype=torch.float64)
-        xm, tm = xs.mean(), ts.mean()
-        if float(xs.max() - xs.min()) < 1.0:  # all at one size: the level is known, the slope ratio is the prior's
-            scale = float(tm) / max(self.prior_a + self.prior_b * float(xm), 1e-9)
+        xs, ts = [s[0] for s in self.samples], [s[1] for s in self.samples]
+        xm, tm = sum(xs) / len(xs), sum(ts) / len(ts)
+        if max(xs) - min(xs) < 1.0:  # all at one size: the level is known, the slope ratio is the prior's
+            scale = tm / max(self.prior_a + self.prior_b * xm, 1e-9)
             return max(self.prior_a * scale, 1e-9), self.prior_b * scale
-        b = float(((xs - xm) * (ts - tm)).sum() / ((xs - xm) ** 2).sum())
+        b = sum((x - xm) * (t - tm) for x, t in zip(xs, ts)) / sum((x - xm) ** 2 for x in xs)
         b = max(b, 0.0)
-        a = max(float(tm) - b * float(xm), 1e-9)
+        a = max(tm - b * xm, 1e-9)
         return a, b
 
     def __call__(self, n: int) -> float:
@@ -112,12 +112,12 @@ class CycleCostModel:
         """Tokens per second of a plain step over every row."""
         return self.rows / self.verify(self.rows)
 
-    def worth_drafting(self, top_probabilities: torch.Tensor | float) -> bool:
+    def worth_drafting(self, top_probabilities: torch.Tensor | list | float) -> bool:
         """Whether verifying the `m` best depth-1 candidates of every row (`top_probabilities` `[k]` or `[A, k]`, most
         likely first) beats a plain step, for some m. Those candidates come from the draft output already computed,
         so they cost only the wider verify; deeper levels must pay for their draft steps themselves (`worth_deeper`).
         That is `choose_size` with no draft time spent choosing more than the roots (whose rate is a plain step's)."""
-        return self.choose_size(torch.as_tensor(top_probabilities), 0.0)[0] > 0
+        return self.choose_size(top_probabilities, 0.0)[0] > 0
 
     def worth_deeper(self, best_path_probability: float, nodes_so_far: int) -> bool:
         """Whether one more draft level can pay: its best node (`best_path_probability`, summed over the rows' best
@@ -128,19 +128,34 @@ class CycleCostModel:
         width = self.rows * (nodes_so_far + 1)
         return gain > self.draft_step(self.rows) + (self.verify(width + self.rows) - self.verify(width))
 
-    def choose_size(self, path_probabilities: torch.Tensor, draft_seconds: float) -> tuple[int, float]:
+    def choose_size(self, path_probabilities: torch.Tensor | list | float, draft_seconds: float) -> tuple[int, float]:
         """Best number of non-root nodes to verify per row, given node path probabilities `[N]` (or `[A, N]`, a row
-        each) sorted in keep order (a prefix is always a valid tree) and the draft time this cycle already spent.
-        Returns (n, predicted accepted tokens over the rows); n = 0 verifies the roots alone (the draft's work is
-        then wasted, but a wider verify would lose more)."""
-        probs = path_probabilities.double().cpu().reshape(self.rows, -1)
-        cumulative = torch.cumsum(probs, dim=1).sum(dim=0)  # [N]
-        gains = torch.cat([torch.zeros(1, dtype=torch.float64), self.calibration * cumulative])
-        n = torch.arange(0, probs.shape[1] + 1, dtype=torch.float64)
+        each; a tensor or lists, rows of unequal length padded with zeros) sorted in keep order (a prefix is always a
+        valid tree) and the draft time this cycle already spent. Returns (n, predicted accepted tokens over the rows);
+        n = 0 verifies the roots alone (the draft's work is then wasted, but a wider verify would lose more)."""
+        if isinstance(path_probabilities, torch.Tensor):  # a host tensor (the loop hands lists: it reads nothing)
+            path_probabilities = path_probabilities.double().cpu().tolist()
+        values = path_probabilities if isinstance(path_probabilities, list) else [path_probabilities]
+        rows = values if values and isinstance(values[0], list) else [values]
+        if len(rows) != self.rows:  # one flat list for several rows: `rows` equal chunks
+            flat = [p for row in rows for p in row]
+            size = len(flat) // self.rows
+            rows = [flat[i * size : (i + 1) * size] for i in range(self.rows)]
+        width = max(len(row) for row in rows)
+        cumulative = [0.0] * width  # [N]: summed over the rows, each row's running total
+        for row in rows:
+            total = 0.0
+            for i in range(width):
+                total += row[i] if i < len(row) else 0.0
+                cumulative[i] += total
         a, b = self.verify.coefficients()
-        rates = (self.rows + gains) / (draft_seconds + a + b * self.rows * (n + 1))
-        best = int(torch.argmax(rates))
-        return best, float(cumulative[best - 1]) if best > 0 else 0.0
+        calibration = self.calibration
+        best, best_rate = 0, self.rows / (draft_seconds + a + b * self.rows)
+        for n in range(1, width + 1):
+            rate = (self.rows + calibration * cumulative[n - 1]) / (draft_seconds + a + b * self.rows * (n + 1))
+            if rate > best_rate:  # the first of equal rates, as argmax takes it
+                best, best_rate = n, rate
+        return best, cumulative[best - 1] if best > 0 else 0.0
 
     def after_consultation(self, net_tokens: float) -> None:
         """Score a consultation -- tokens it produced minus what plain decoding would have produced in the same time

@@ -26,9 +26,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from eagle3_hf.generation.corpus_source import open_corpus
 from eagle3_hf.generation.cost_model import CycleCostModel
+from eagle3_hf.generation.cycle import CycleRecord, DecodeRun, Emission
 from eagle3_hf.generation.drafting import TreeBudget
 from eagle3_hf.generation.emission import score_steps, sequences
-from eagle3_hf.generation.engine import CycleRecord, DecodeRun, decode
+from eagle3_hf.generation.engine import decode
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.hybrid import LookupOptions, source_totals
 from eagle3_hf.generation.proposers import build_proposer
@@ -255,7 +256,7 @@ def eagle3_decoding(
     a `CorpusIndex` or its file, False for none; default: the assistant's own (`ContextLookup.corpus`, or the
     corpus.safetensors beside a draft); `corpus_growth=N` also indexes this process's earlier outputs (N tokens).
 
-    `eagle3_observer`: a callable handed an `engine.CycleRecord` after every cycle (research scripts); nothing is
+    `eagle3_observer`: a callable handed a `cycle.CycleRecord` after every cycle (research scripts); nothing is
     timed for it that the cost model does not measure anyway.
     """
     if isinstance(eagle3_draft, ContextLookup):
@@ -334,52 +335,56 @@ def eagle3_decoding(
     out = torch.zeros(rows, max(max_length, length + 1), dtype=input_ids.dtype, device=input_ids.device)
     out[:, :length] = input_ids
     do_sample = bool(generation_config.do_sample)
-    run = DecodeRun(
-        model=model,
-        proposer=proposer,
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        budget=budget,
-        cache=cache,
-        layer_ids=draft.config.resolved_target_layer_ids(text.num_hidden_layers) if draft else [],
+    emission = Emission(
         out=out,
         lengths=[length] * rows,
         tokens=input_ids.tolist(),
         starts=[int((m == 0).sum()) for m in mask],
+        stopping_criteria=stopping_criteria,
         pad_token_id=None if pad is None else int(pad),
         pad_finished=rows > 1 and has_eos,
         max_length=max_length,
+        streamer=eagle3_streamer,
+        output_scores=return_dict and bool(generation_config.output_scores),
+        output_logits=return_dict and bool(generation_config.output_logits),
+    )
+    run = DecodeRun(
+        model=model,
+        proposer=proposer,
+        logits_processor=logits_processor,
+        budget=budget,
+        cache=cache,
+        layer_ids=draft.config.resolved_target_layer_ids(text.num_hidden_layers) if draft else [],
+        emission=emission,
         do_sample=do_sample,
         temperature=float(generation_config.temperature or 1.0) if do_sample else 1.0,
         adaptive_tree=adaptive_tree,
-        streamer=eagle3_streamer,
         observer=eagle3_observer,
-        output_scores=return_dict and bool(generation_config.output_scores),
-        output_logits=return_dict and bool(generation_config.output_logits),
         cost=CycleCostModel.for_device(model.device.type, model.dtype),
     )
     choice = choose_verification(model, exact_verify, rows=rows)
     with exact_verification(model, enabled=choice.exact) as run.exact:
         decode(run, input_ids, mask)
-    proposer.finish(run)
+    proposer.finish(emission.new_tokens())
     output = sequences(run)
     scores, logits = score_steps(run) if return_dict else (None, None)
     if rows == 1:  # the cache holds every output token but the last, as plain decoding's
-        run.columns.crop(run.cache, output.shape[1] - min(run.starts) - 1)
+        run.columns.crop(run.cache, output.shape[1] - min(emission.starts) - 1)
     if not return_dict:
         return output
     per_row = (lambda values: values[0]) if rows == 1 else (lambda values: values)
-    sources = [counts for row in run.accept_sources for counts in row]
+    stats = run.stats
+    sources = [counts for row in stats.accept_sources for counts in row]
     return Eagle3GenerateOutput(
         sequences=output,
         scores=scores,
         logits=logits,
-        accept_lengths=per_row(run.accept_lengths),
-        draft_time=run.draft_time,
-        verify_time=run.verify_time,
-        prefill_time=run.prefill_time,
-        tree_sizes=per_row(run.tree_sizes),
-        accept_sources=per_row(run.accept_sources),
+        accept_lengths=per_row(stats.accept_lengths),
+        draft_time=stats.draft_time,
+        verify_time=stats.verify_time,
+        prefill_time=stats.prefill_time,
+        tree_sizes=per_row(stats.tree_sizes),
+        accept_sources=per_row(stats.accept_sources),
         **source_totals(sources),
         verification=choice.mode,
         verification_reason=choice.reason,

@@ -8,141 +8,63 @@ chosen for a single prompt (verify_choice.py, exact_attention.py); each row acce
 the accepted paths and the proposer hears what was accepted; each row emits its tokens, checking its stopping
 criteria after each, and rows that need no more tokens leave the batch (emission.py).
 
-Host reads: the loop keeps each row's tokens on the host (`DecodeRun.tokens`) and reads the device a bounded number
-of times per cycle, whatever the rows and nodes (the trees and greedy choices in one copy in `accept`, the stopping
-flags in one in `emit`; tests/test_sync_count.py counts them), so that on an accelerator a cycle waits for its
-kernels only a few times.
+Transfers: the loop keeps each row's tokens on the host (`Emission.tokens`) and moves data between host and device
+only through transfers.py, a bounded number of times per cycle, whatever the rows, nodes and depth: reads of the
+trees and greedy choices in one copy in `accept` and of the stopping flags in one in `emit`; uploads of the trees
+built on the host in one copy in `propose` and of everything acceptance decided in one in `stage`. Its clocks are
+CUDA events on CUDA, read after those reads (tests/test_sync_count.py counts it all), so that on an accelerator a
+cycle waits for its kernels only a few times.
 
-Per-call state lives in `DecodeRun` and in the proposer, never on the modules. Invariant between cycles: per row,
-the target cache holds every output token but the last (the tree's root). A batch of one never gets holes in its
-cache, so its cache is the plain `DynamicCache` of its tokens (returned with the output).
+Per-call state lives in `DecodeRun` (cycle.py: the loop's own, what emission owns and the statistics) and in the
+proposer, which sees a cycle only through a read-only `CycleView`; never on the modules. Invariant between cycles:
+per row, the target cache holds every output token but the last (the tree's root). A batch of one never gets holes
+in its cache, so its cache is the plain `DynamicCache` of its tokens (returned with the output).
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicCache
-from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from eagle3_hf.generation.cost_model import CycleCostModel
-from eagle3_hf.generation.drafting import TreeBudget
-from eagle3_hf.generation.emission import emit, retire_rows, stream
-from eagle3_hf.generation.exact_attention import ExactAttention
+from eagle3_hf.generation.cycle import CycleRecord, DecodeRun, Proposal
+from eagle3_hf.generation.emission import emit, emit_plan, retire_rows, stream
 from eagle3_hf.generation.hybrid import DRAFT, RowTree, source_counts
 from eagle3_hf.generation.node_scores import NodeScores, reads_are_free
-from eagle3_hf.generation.proposers import Proposal, Proposer, root_only
+from eagle3_hf.generation.proposers import root_only
 from eagle3_hf.generation.target_cache import TargetColumns, keep_paths, pad_trees, verify_mask
-from eagle3_hf.generation.tree import DraftTree, children_lists, read_on_host
+from eagle3_hf.generation.transfers import read, upload
+from eagle3_hf.generation.tree import DraftTree, children_lists, place_trees
 from eagle3_hf.generation.verification import AcceptResult, greedy_accept, sample_accept
 from eagle3_hf.modeling.modeling_eagle3 import select_target_features
 from eagle3_hf.utils.compat import cache_kwargs
 
-__all__ = ["CycleRecord", "DecodeRun", "decode"]
-
-
-@dataclass
-class CycleRecord:
-    """What one cycle did, handed to the call's `eagle3_observer` (e.g. scripts/research/cycle_profile.py). Only what
-    the loop knows anyway: the times are those the cost model measures; nothing else is timed for an observer."""
-
-    past: int  # target cache columns before the cycle
-    rows: list[int]  # the rows that took part (indices into the batch)
-    tree_sizes: list[int]  # per row: nodes verified, root included
-    emitted: list[int]  # per row: tokens it appended
-    parents: list[list[int]]  # per row: its tree's parents
-    draft_s: float  # proposing (the draft's forwards, the lookup, sizing)
-    verify_s: float  # the target forward, acceptance and the cache and proposer updates
-    consulted: bool  # whether the draft was consulted
-
-
-@dataclass
-class DecodeRun:
-    """Everything one decoding call reads and updates. "Rows" are the B prompts; "active" rows those still decoding,
-    in the order of the caches' rows."""
-
-    model: PreTrainedModel
-    proposer: Proposer
-    logits_processor: LogitsProcessorList
-    stopping_criteria: StoppingCriteriaList
-    budget: TreeBudget
-    cache: DynamicCache  # the target's
-    layer_ids: list[int]  # the target layers the draft reads (empty without a draft)
-    out: torch.Tensor  # [B, capacity] every row's sequence so far (the padded prompt included)
-    lengths: list[int]  # tokens of `out` per row
-    tokens: list[list[int]]  # the host's copy of each row's `out[row, :lengths[row]]` (the loop never reads `out`)
-    starts: list[int]  # left padding per row (the target and the lookup never see it)
-    pad_token_id: int | None
-    pad_finished: bool  # plain generate() pads finished rows only when an EOS criterion is present
-    max_length: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    adaptive_tree: bool = True
-    streamer: Any = None
-    output_scores: bool = False
-    output_logits: bool = False
-    cost: CycleCostModel = field(default_factory=CycleCostModel)
-    exact: ExactAttention | None = None  # row-exact verification (one row); None: one tree-masked call
-    observer: Callable[[CycleRecord], None] | None = None  # told what each cycle did (research scripts); None: nobody
-    columns: TargetColumns | None = None
-    prefill_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    # set from `out` and `lengths` by __post_init__
-    stop_lengths: list[int | None] = field(init=False)  # a row's length when a criterion fired
-    active: list[int] = field(init=False)
-    streamed: int = field(init=False)  # columns of `out` handed to the streamer
-    prompt_length: int = field(init=False)  # columns of the padded prompt
-    scores: list[list[torch.Tensor]] = field(init=False)  # output_scores: per row, one [V] per token
-    raw_logits: list[list[torch.Tensor]] = field(init=False)  # output_logits: likewise
-    accept_lengths: list[list[int]] = field(init=False)  # per row, per cycle: tokens it added
-    tree_sizes: list[list[int]] = field(init=False)  # per row, per cycle: nodes verified (root included)
-    accept_sources: list[list[tuple[int, int, int, int]]] = field(init=False)  # per row, per cycle
-
-    def __post_init__(self) -> None:
-        rows = self.batch_size
-        self.stop_lengths, self.active = [None] * rows, list(range(rows))
-        self.streamed = self.prompt_length = self.lengths[0]
-        for name in ("scores", "raw_logits", "accept_lengths", "tree_sizes", "accept_sources"):
-            setattr(self, name, [[] for _ in range(rows)])
-
-    @property
-    def device(self) -> torch.device:
-        return self.out.device
-
-    @property
-    def batch_size(self) -> int:
-        return self.out.shape[0]
-
-    def roots(self) -> list[int]:
-        """Each active row's last token: the root of its next tree."""
-        return [self.tokens[row][-1] for row in self.active]
-
-    def longest_cached(self) -> int:
-        """The most tokens an active row holds in the target cache (every output token but the last, no padding)."""
-        return max(self.lengths[row] - self.starts[row] for row in self.active) - 1
+__all__ = ["decode"]
 
 
 def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DecodeRun:
     """Prefill, then propose -> verify -> accept -> update -> emit -> record until every row has stopped."""
     prefill(run, input_ids, attention_mask)
     retire_rows(run)
+    clock = run.clock
     while run.active:
         start = run.cache.get_seq_length()
-        proposal, predicted, draft_s = propose(run)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
+        proposal, predicted = propose(run, t0)
+        t1 = clock.mark()
         logits, features = verify(run, proposal.rows, start)
         results, scores = accept(run, proposal.rows, logits)
-        new_tokens = update(run, proposal, results, features, start)
-        verify_s = time.perf_counter() - t0
-        run.verify_time += verify_s
-        emitted = emit(run, new_tokens, scores)
+        new_tokens, staged = stage(run, proposal, results)
+        update(run, proposal, results, features, start, staged)
+        t2 = clock.mark()
+        emitted = emit(run, new_tokens, scores, staged.out)
+        # the clocks are read after emit's read, which the device has caught up with: timing adds no wait
+        draft_s, verify_s = clock.seconds(t0, t1), clock.seconds(t1, t2)
+        clock.settle()
+        run.stats.draft_time += draft_s
+        run.stats.verify_time += verify_s
         record_cycle(run, proposal, results, emitted, predicted, draft_s, verify_s)
         if run.observer is not None:
             run.observer(
@@ -159,18 +81,18 @@ def decode(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor
             )
         retire_rows(run)
     stream(run, final=True)
-    if run.streamer is not None:
-        run.streamer.end()
+    if run.emission.streamer is not None:
+        run.emission.streamer.end()
     return run
 
 
 def prefill(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
     """The target over the prompts (left padding that every row has is dropped; the rest masked as generate() masks
     it), the first token per row, and each row's prompt handed to the proposer."""
-    t0 = time.perf_counter()
-    lead = min(run.starts)
+    t0 = run.clock.mark()
+    lead = min(run.emission.starts)
     ids, mask = input_ids[:, lead:], attention_mask[:, lead:]
-    holes = not bool(mask.all())
+    holes = min(run.emission.starts) != max(run.emission.starts)  # the host knows each row's padding (`starts`)
     positions = (mask.long().cumsum(dim=-1) - 1).masked_fill(mask == 0, 0) if holes else None
     logits, features = _target_forward(
         run, input_ids=ids, attention_mask=mask if holes else None, position_ids=positions, logits_to_keep=1
@@ -180,37 +102,37 @@ def prefill(run: DecodeRun, input_ids: torch.Tensor, attention_mask: torch.Tenso
     # one token per row, as plain generate() picks it
     first = torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0] if run.do_sample else processed.argmax(dim=-1)
     # pair (feature at t, token at t + 1): real exactly where token t is
-    run.proposer.prefill(run, features, torch.cat([ids[:, 1:], first[:, None]], dim=1), mask.bool())
+    run.proposer.prefill(run.view(), features, torch.cat([ids[:, 1:], first[:, None]], dim=1), mask.bool())
     run.columns = TargetColumns.from_prompt(mask)
-    _sync(run.device)
-    run.prefill_time = time.perf_counter() - t0
-    emit(run, [[token] for token in first.tolist()], [(p[None], r[None]) for p, r in zip(processed, raw)])
+    run.root_ids = first
+    t1 = run.clock.mark()
+    (tokens,) = read([first])
+    emit(run, [[int(token)] for token in tokens], [(p[None], r[None]) for p, r in zip(processed, raw)])
+    run.stats.prefill_time = run.clock.seconds(t0, t1)
 
 
-def propose(run: DecodeRun) -> tuple[Proposal, float | None, float]:
-    """The proposer's trees (root-only ones where it proposed none), greedy ones sized by the cost model. Returns
-    (proposal, accepted tokens predicted over the rows -- None: from the trees' scores, once read --, seconds)."""
-    t0 = time.perf_counter()
+def propose(run: DecodeRun, t0: Any) -> tuple[Proposal, float | None]:
+    """The proposer's trees (root-only ones where it proposed none), greedy ones sized by the cost model, placed on
+    the device (what was built on the host, in one upload). Returns (proposal, accepted tokens predicted over the
+    rows -- None: from the trees' scores, once read)."""
     run.cost.rows = len(run.active)
-    roots = run.roots()
-    proposal = run.proposer.propose(run, torch.tensor(roots, device=run.device))
+    proposal = run.proposer.propose(run.view(), run.root_ids)
     predicted = None  # the trees' estimate, read with them in `accept`
     if proposal.rows is not None and run.adaptive_tree and not run.do_sample:
+        drafted = run.clock.mark()
         trees = DraftTree.with_hosts([row.tree for row in proposal.rows])[0]  # one read: sizing and pruning use it
         ordered = []
         for row, tree in zip(proposal.rows, trees):
             row.tree = tree
             ordered.append(sorted((math.exp(score) for score in tree.host.scores[1:]), reverse=True))
-        width = max(len(p) for p in ordered)
-        probs = torch.tensor([p + [0.0] * (width - len(p)) for p in ordered], dtype=torch.float64)  # [A, N]
-        n, predicted = run.cost.choose_size(probs, time.perf_counter() - t0)
+        n, predicted = run.cost.choose_size(ordered, run.clock.seconds(t0, drafted))
         proposal.rows = None if n == 0 else [row.prune(n) for row in proposal.rows]
     if proposal.rows is None:
-        proposal.rows, predicted = [root_only(root, run.device) for root in roots], 0.0
-    _sync(run.device)
-    seconds = time.perf_counter() - t0
-    run.draft_time += seconds
-    return proposal, predicted, seconds
+        roots = run.emission.roots()
+        proposal.rows, predicted = [root_only(root, run.root_ids[i : i + 1]) for i, root in enumerate(roots)], 0.0
+    for row, tree in zip(proposal.rows, place_trees([row.tree for row in proposal.rows], run.device)):
+        row.tree = tree
+    return proposal, predicted
 
 
 def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -221,7 +143,9 @@ def verify(run: DecodeRun, rows: list[RowTree], start: int) -> tuple[torch.Tenso
         run.exact.set_tree(trees[0].parents, start)
     padded = pad_trees(trees, run.columns.next_position)
     mask = None
-    if padded.tokens.shape[1] > 1 or not bool(run.columns.valid.all()):  # a plain step of rows without holes: none
+    # the host knows whether the cache has holes: a row holds every output token but the last, one per column
+    holes = any(run.emission.lengths[r] - run.emission.starts[r] - 1 != run.columns.valid.shape[1] for r in run.active)
+    if padded.tokens.shape[1] > 1 or holes:  # a plain step of rows without holes: none
         mask = verify_mask(run.columns, padded, run.model.dtype, run.model.config)
     try:
         return _target_forward(run, input_ids=padded.tokens, attention_mask=mask, position_ids=padded.positions)
@@ -256,9 +180,11 @@ def accept(
     every row is computed on the device and read in that same copy, instead of one read per visited node."""
     scores = []
     for i, (r, row) in enumerate(zip(run.active, rows)):
-        prefix = run.out[r : r + 1, : run.lengths[r]]
+        prefix = run.emission.out[r : r + 1, : run.emission.lengths[r]]
         scores.append(
-            NodeScores(logits[i, : row.tree.num_nodes], row.tree, prefix, run.logits_processor, r, run.batch_size)
+            NodeScores(
+                logits[i, : row.tree.num_nodes], row.tree, prefix, run.logits_processor, r, run.emission.batch_size
+            )
         )
     eager = not run.do_sample and not reads_are_free(run.device)
     unprocessed = eager and len(run.logits_processor) == 0  # the choices need no tree: read them with it
@@ -267,7 +193,7 @@ def accept(
     for tree, proposal, node_scores in zip(trees, rows, scores):
         proposal.tree = node_scores.tree = tree
     if eager and not unprocessed:  # processors read each node's path: the trees first, then one read of the choices
-        choices = read_on_host([node_scores.all_choices() for node_scores in scores])
+        choices = read([node_scores.all_choices() for node_scores in scores])
     results, kept = [], []
     for i, (tree, proposal, node_scores) in enumerate(zip(trees, rows, scores)):
         if eager:
@@ -284,28 +210,61 @@ def accept(
         else:
             result = greedy_accept(tree.host.tokens, children_lists(tree.host.parents), node_scores.greedy_choice)
         results.append(result)
-        kept.append(node_scores.path_rows(result.path, run.output_scores, run.output_logits))
+        kept.append(node_scores.path_rows(result.path, run.emission.output_scores, run.emission.output_logits))
     return results, kept
 
 
-def update(
-    run: DecodeRun, proposal: Proposal, results: list[AcceptResult], features: torch.Tensor | None, start: int
-) -> list[list[int]]:
-    """Keep each row's accepted path in the target cache; tell the proposer. Returns each row's new tokens (accepted
-    nodes + bonus)."""
-    index, keep = keep_paths(run.cache, run.columns, start, [result.path for result in results])
+@dataclass
+class CycleUpload:
+    """What a cycle sends to the device after acceptance, in one upload (`stage`): per row its accepted path as the
+    cache's gather index `[A, W]` and its length `[A]`, its new tokens `[A, W]`, where they go in the output
+    (`out`: rows, columns, tokens, for `emit`), and each row's next root `[A]`."""
+
+    index: torch.Tensor
+    lengths: torch.Tensor
+    tokens: torch.Tensor
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    roots: torch.Tensor
+
+
+def stage(run: DecodeRun, proposal: Proposal, results: list[AcceptResult]) -> tuple[list[list[int]], CycleUpload]:
+    """Each row's new tokens (accepted nodes + bonus), and everything the cycle's updates need on the device."""
     new_tokens = [
         [row.tree.host.tokens[node] for node in result.path[1:]] + [result.bonus_token]
         for row, result in zip(proposal.rows, results)
     ]
-    width = index.shape[1]
-    tokens = torch.tensor([row + [0] * (width - len(row)) for row in new_tokens], device=run.device)  # [A, W]
+    paths = [result.path for result in results]
+    width = max(len(path) for path in paths)
+    rows, columns, values = emit_plan(run, new_tokens)
+    index, lengths, tokens, *out, roots = upload(
+        run.device,
+        [path + [0] * (width - len(path)) for path in paths],
+        [len(path) for path in paths],
+        [row + [0] * (width - len(row)) for row in new_tokens],
+        rows,
+        columns,
+        values,
+        [row[-1] for row in new_tokens],
+    )
+    return new_tokens, CycleUpload(index, lengths, tokens, tuple(out), roots)
+
+
+def update(
+    run: DecodeRun,
+    proposal: Proposal,
+    results: list[AcceptResult],
+    features: torch.Tensor | None,
+    start: int,
+    staged: CycleUpload,
+) -> None:
+    """Keep each row's accepted path in the target cache; tell the proposer."""
+    paths = [result.path for result in results]
+    index, keep = keep_paths(run.cache, run.columns, start, paths, staged.index, staged.lengths)
     picked = None
     if features is not None:
         picked = features.gather(1, index[:, :, None].expand(-1, -1, features.shape[2]))  # [A, W, 3Ht]
-    run.proposer.observe(run, proposal, results, picked, tokens, keep)
-    _sync(run.device)
-    return new_tokens
+    run.proposer.observe(run.view(), proposal, results, picked, staged.tokens, keep)
+    run.root_ids = staged.roots
 
 
 def record_cycle(
@@ -326,9 +285,9 @@ def record_cycle(
     from_draft = 0
     for row, tree, result, count in zip(run.active, proposal.rows, results, emitted):
         sources = tree.node_sources()
-        run.tree_sizes[row].append(tree.tree.num_nodes)
-        run.accept_lengths[row].append(count)
-        run.accept_sources[row].append(source_counts(sources, result.path, count))
+        run.stats.tree_sizes[row].append(tree.tree.num_nodes)
+        run.stats.accept_lengths[row].append(count)
+        run.stats.accept_sources[row].append(source_counts(sources, result.path, count))
         from_draft += sum(1 for node in result.path[1:] if sources[node] & DRAFT)
     if width > 1:
         if predicted is None:
@@ -337,8 +296,3 @@ def record_cycle(
     if proposal.consulted and run.adaptive_tree:
         spent = draft_s + (verify_s if width > 1 else 0.0)
         cost.after_consultation((from_draft + rows if width > 1 else 0) - spent * cost.plain_rate())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

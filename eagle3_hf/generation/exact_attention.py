@@ -35,6 +35,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from eagle3_hf.generation.transfers import upload
 from eagle3_hf.generation.tree import node_paths
 
 __all__ = ["ExactAttention", "exact_attention_forward", "exact_verification"]
@@ -95,9 +96,8 @@ class ExactAttention:
         width = max(len(p) for p in paths)
         device = parents.device
         self.sorted = order == list(range(len(order)))
-        self.order = torch.tensor(order, device=device)
+        self.order, self.paths = upload(device, order, [paths[i] + [i] * (width - len(paths[i])) for i in order])
         self.depths = [len(paths[i]) - 1 for i in order]
-        self.paths = torch.tensor([paths[i] + [i] * (width - len(paths[i])) for i in order], device=device)
         self.key_index = (past + self.paths).flatten()
         self.past = past
         self._calls = {}
@@ -177,7 +177,7 @@ def _plan_calls(
         lengths = [span(d)[1] for d in depths[start:stop]]
         mask = None
         if len(set(lengths)) > 1:
-            visible = torch.arange(begin, end, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+            visible = torch.arange(begin, end, device=device)[None, :] < upload(device, lengths)[0][:, None]
             mask = visible[:, None, None, :]
         calls.append(_Call(start, stop, begin, end, mask))
         start = stop

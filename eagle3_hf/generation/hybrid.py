@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3_hf.generation.context_index import ContextIndex, LookupTrie
+from eagle3_hf.generation.transfers import upload
 from eagle3_hf.generation.tree import DraftTree, HostTree, cut_host, subtree
 
 __all__ = [
@@ -217,10 +218,10 @@ class RowTree:
         host lists (the loop reads them before sizing): the cost model's choice of size for a greedy tree."""
         if n >= self.tree.num_nodes - 1:
             return self
-        return _cut(self.tree.host, n + 1, self.tree.tokens.device, self.sources, self.match)
+        return _cut(self.tree.host, n + 1, self.sources, self.match)
 
 
-def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.device) -> RowTree:
+def graft(host: HostTree, cands: Candidates, total_tokens: int) -> RowTree:
     """Merge the candidates' trie into a greedy draft tree read on the host (see the module docstring; a lookup-only
     tree grafts into its root alone); keep the best `total_tokens` nodes."""
     trie, drafted = cands.trie, len(host.tokens)
@@ -235,18 +236,18 @@ def graft(host: HostTree, cands: Candidates, total_tokens: int, device: torch.de
         sources[node] |= cands.sources[i]
         for source, values in match.items():
             values[node] = cands.match[source][i]
-    return _cut(HostTree(tokens, parents, scores), total_tokens, device, sources, match)
+    return _cut(HostTree(tokens, parents, scores), total_tokens, sources, match)
 
 
 def _cut(
     host: HostTree,
     total_tokens: int,
-    device: torch.device,
     sources: list[int] | None = None,
     match: dict[int, list[int]] | None = None,
 ) -> RowTree:
-    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host,
-    with their sources and matches (both None for the draft's tree alone). The scores are rounded to the tree's fp32
+    """The root and the best `total_tokens - 1` nodes by score (a parent always kept before its child), on the host
+    (the loop places every row's tree on the device at once), with their sources and matches (both None for the
+    draft's tree alone). The scores are rounded to the tree's fp32
     first, so that ties are those of the tensor it becomes."""
     host = HostTree(host.tokens, host.parents, array("f", host.scores).tolist())
     if len(host.parents) > total_tokens:
@@ -255,15 +256,15 @@ def _cut(
         if sources is not None:
             sources = [sources[r] for r in kept]
             match = {source: [values[r] for r in kept] for source, values in match.items()}
-    return RowTree(DraftTree.from_lists(host, device), sources, match)
+    return RowTree(DraftTree.on_host(host), sources, match)
 
 
 def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -> RowTree:
     """Put the candidates' trie nodes `lookup_nodes` (a prefix-closed set, in trie order) first, as point-mass
     proposals, then the sampled draft tree's nodes minus the root's children equal to a lookup depth-1 token (and
     their subtrees). The draft_probs rows of lookup nodes are unused (their children are lookup nodes only)."""
-    device, trie = tree.tokens.device, cands.trie
-    t_tokens, t_parents, t_scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    trie = cands.trie
+    t_tokens, t_parents, t_scores = tree.host if tree.host is not None else DraftTree.with_hosts([tree])[0][0].host
     new_of_trie = {i: new for new, i in enumerate([0, *lookup_nodes])}
     parents = [-1] + [new_of_trie[trie.parents[i]] for i in lookup_nodes]
     scores = [0.0]
@@ -286,10 +287,10 @@ def graft_sampled(tree: DraftTree, cands: Candidates, lookup_nodes: list[int]) -
     scores += [t_scores[c] for c in kept]
     sources = [0] + [cands.sources[i] for i in lookup_nodes] + [DRAFT] * len(kept)
     match = {source: [0] + [m[i] for i in lookup_nodes] + [0] * len(kept) for source, m in cands.match.items()}
-    probs = tree.draft_probs[torch.tensor(rows, device=device)] if tree.draft_probs is not None else None
+    probs = tree.draft_probs[upload(tree.draft_probs.device, rows)[0]] if tree.draft_probs is not None else None
     point_mass = torch.zeros(len(tokens), dtype=torch.bool)
     point_mass[1 : n_lookup + 1] = True
-    merged = DraftTree.from_lists(HostTree(tokens, parents, array("f", scores).tolist()), device, probs)
+    merged = DraftTree.on_host(HostTree(tokens, parents, array("f", scores).tolist()), probs)
     return RowTree(merged, sources, match, point_mass, draws)
 
 

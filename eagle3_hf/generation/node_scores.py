@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList
 
+from eagle3_hf.generation.transfers import upload
 from eagle3_hf.generation.tree import DraftTree
 
 __all__ = ["NodeScores", "reads_are_free"]
@@ -69,7 +70,7 @@ class NodeScores:
             node = parents[node]
         if not path:
             return self.prefix
-        tokens = self.tree.tokens[torch.tensor(path[::-1], device=self.tree.tokens.device)]
+        tokens = self.tree.tokens[upload(self.tree.tokens.device, path[::-1])[0]]
         return torch.cat([self.prefix, tokens[None].to(self.prefix.dtype)], dim=1)
 
     def greedy_choice(self, node: int) -> int:
@@ -90,5 +91,5 @@ class NodeScores:
     def path_rows(self, path: list[int], processed: bool, raw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The accepted `path`'s processed scores and raw fp32 logits, `[n, V]` each (None where not asked for)."""
         processed_rows = torch.stack([self.processed(n) for n in path]) if processed else None
-        raw_rows = self.logits[torch.tensor(path, device=self.logits.device)].float() if raw else None
+        raw_rows = self.logits[upload(self.logits.device, path)[0]].float() if raw else None
         return processed_rows, raw_rows

@@ -1,8 +1,9 @@
 """What a cycle verifies: each row's tree, from one source or several, behind one interface.
 
-A proposer is shaped like transformers' candidate generators: where `get_candidates` returns candidate tokens and
-`update_candidate_strategy` hears how many were accepted, `propose` returns a tree per active row (`Proposal`) and
-`observe` hears each row's accepted path, with the target's features of the accepted tokens. The decoding loop
+A proposer (the interface is cycle.py's `Proposer`) is shaped like transformers' candidate generators: where
+`get_candidates` returns candidate tokens and `update_candidate_strategy` hears how many were accepted, `propose`
+returns a tree per active row (`Proposal`) and `observe` hears each row's accepted path, with the target's features of
+the accepted tokens. It is handed a read-only `CycleView` of the cycle, never the loop's run. The decoding loop
 (engine.py) verifies whatever trees come back, sizes greedy ones with the cost model, and never asks where a node came
 from except to report it. A proposer is per-call state: decoding builds a new one for every `generate()` call.
 
@@ -19,13 +20,12 @@ Three ship:
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 
 from eagle3_hf.generation.corpus_source import CorpusSource
+from eagle3_hf.generation.cycle import CycleView, Proposal, Proposer
 from eagle3_hf.generation.drafting import DraftState, build_greedy_trees, catch_up
 from eagle3_hf.generation.hybrid import (
     CORPUS,
@@ -40,65 +40,28 @@ from eagle3_hf.generation.hybrid import (
     merge_candidates,
     observe_nodes,
 )
+from eagle3_hf.generation.node_scores import reads_are_free
 from eagle3_hf.generation.sampled_trees import build_sampled_trees
 from eagle3_hf.generation.target_cache import worth_compacting
+from eagle3_hf.generation.transfers import read
 from eagle3_hf.generation.tree import DraftTree, HostTree
-from eagle3_hf.generation.verification import AcceptResult
 from eagle3_hf.modeling.modeling_eagle3 import Eagle3DraftModel
 
-if TYPE_CHECKING:  # the loop's per-call state; proposers read it, the loop owns it
-    from eagle3_hf.generation.engine import DecodeRun
-
-__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "Proposal", "Proposer", "build_proposer"]
+__all__ = ["DraftProposer", "HybridProposer", "LookupProposer", "build_proposer", "root_only"]
 
 
-@dataclass
-class Proposal:
-    """A cycle's proposal: a tree per active row, or None for a plain step of every row."""
-
-    rows: list[RowTree] | None = None
-    consulted: bool = False  # the draft was consulted (the cost model scores what that gained)
-
-
-def root_only(token: int, device: torch.device) -> RowTree:
-    """A tree of the root alone: the row takes a plain step."""
-    return RowTree(DraftTree.from_lists(HostTree([token], [-1], [0.0]), device))
-
-
-class Proposer:
-    """The interface the decoding loop calls (see the module docstring). `needs_hidden_states`: whether the loop must
-    ask the target for its hidden states (the draft reads them; a lookup does not)."""
-
-    needs_hidden_states = False
-
-    def prefill(
-        self, run: DecodeRun, features: torch.Tensor | None, next_tokens: torch.Tensor, valid: torch.Tensor
-    ) -> None:
-        """What the prompt's forward gave: per row and prompt column, the tapped features `[A, N, 3Ht]` (None without
-        hidden states), the token that follows `[A, N]`, and whether the column is a real token `[A, N]`."""
-
-    def propose(self, run: DecodeRun, roots: torch.Tensor) -> Proposal:
-        """A tree per active row, rooted at `roots` `[A]` (each row's last token)."""
-        raise NotImplementedError
-
-    def observe(
-        self,
-        run: DecodeRun,
-        proposal: Proposal,
-        results: list[AcceptResult],
-        features: torch.Tensor | None,
-        tokens: torch.Tensor,
-        keep: torch.Tensor,
-    ) -> None:
-        """Each active row's accepted path (`results`), and per row the accepted tokens' features `[A, W, 3Ht]` with
-        the token that follows each `[A, W]` (`keep` `[A, W]`: the column is one of the row's). The proposal's trees
-        carry their `host` lists by then."""
-
-    def select_rows(self, rows: list[int]) -> None:
-        """Only the active rows `rows` (indices into the current ones) go on (the others finished)."""
-
-    def finish(self, run: DecodeRun) -> None:
-        """The call is over (`run.out` holds every row's output)."""
+def root_only(token: int, root: torch.Tensor) -> RowTree:
+    """A tree of the root alone (`token`, already on the device as `root`, a 1-element tensor): a plain step of the
+    row, built without a transfer."""
+    host = HostTree([token], [-1], [0.0])
+    return RowTree(
+        DraftTree(
+            root.long(),
+            torch.full_like(root, -1, dtype=torch.long),
+            torch.zeros_like(root, dtype=torch.float32),
+            host=host,
+        )
+    )
 
 
 class DraftProposer(Proposer):
@@ -110,50 +73,59 @@ class DraftProposer(Proposer):
         self.draft = draft
         self.state = DraftState()
 
-    def prefill(self, run, features, next_tokens, valid) -> None:
+    def prefill(self, view, features, next_tokens, valid) -> None:
         self.state.add_verified(features, next_tokens, valid)
 
-    def consult(self, run: DecodeRun) -> tuple[bool, bool]:
+    def consult(self, view: CycleView) -> tuple[bool, bool]:
         """(consulted, worth): whether the cost model's back-off let the draft be consulted this cycle, and whether
         verifying some of each row's best next tokens then beats a plain step (a tree is worth building)."""
-        if run.adaptive_tree and not run.cost.consult_draft():
+        if view.adaptive_tree and not view.cost.consult_draft():
             return False, False
         catch_up(self.draft, self.state)  # the verified pairs since the last consultation; not a draft step
-        longest = run.longest_cached()  # after catching up, each row's draft pairs are its tokens in the target cache
+        longest = view.longest_cached()  # after catching up, each row's draft pairs are its tokens in the target cache
         if worth_compacting(self.state.kv.length, longest):  # rows accept paths of different lengths: holes pile up
             self.state.compact(longest)
-        if not run.adaptive_tree:
+        if not view.adaptive_tree:
             return True, True
-        probs = torch.softmax(self.state.last_logits.float() / run.temperature, dim=-1)
-        return True, run.cost.worth_drafting(probs.topk(min(run.budget.top_k, probs.shape[-1]), dim=-1).values)
+        probs = torch.softmax(self.state.last_logits.float() / view.temperature, dim=-1)
+        best = probs.topk(min(view.budget.top_k, probs.shape[-1]), dim=-1).values  # [A, k]
+        (values,) = read([best])  # the one read of the decision to draft
+        return True, view.cost.worth_drafting(
+            [values[i : i + best.shape[1]] for i in range(0, len(values), best.shape[1])]
+        )
 
-    def trees(self, run: DecodeRun, roots: torch.Tensor, totals: list[int] | None = None) -> list[DraftTree]:
+    def trees(self, view: CycleView, roots: torch.Tensor, totals: list[int] | None = None) -> list[DraftTree]:
         """Every row's tree (sampled trees of at most `totals[row]` nodes); times the draft's forwards."""
-        cost, state, rows = run.cost, self.state, roots.numel()
-        start, calls = time.perf_counter(), state.forward_calls
-        if run.do_sample:
-            grow = (lambda best, nodes: cost.worth_deeper(best * rows, nodes)) if run.adaptive_tree else None
+        cost, state, rows, clock = view.cost, self.state, roots.numel(), view.clock
+        start, calls = clock.mark(), state.forward_calls
+        if view.do_sample:
+            grow = (lambda best, nodes: cost.worth_deeper(best * rows, nodes)) if view.adaptive_tree else None
             trees = build_sampled_trees(
-                self.draft, state, roots, replace(run.budget, grow=grow), run.temperature, totals
+                self.draft, state, roots, replace(view.budget, grow=grow), view.temperature, totals
             )
         else:
-            budget = replace(run.budget, grow=cost.worth_deeper if run.adaptive_tree else None)
-            trees = build_greedy_trees(self.draft, state, roots, budget)
-        if state.forward_calls > calls:
-            cost.draft_step.observe(rows, (time.perf_counter() - start) / (state.forward_calls - calls))
+            # deciding each level reads its best node: where a read costs a synchronisation the tree is drafted to its
+            # full depth, and the cost model sizes it from the one read of the whole tree (engine.propose)
+            per_level = view.adaptive_tree and reads_are_free(roots.device)
+            trees = build_greedy_trees(
+                self.draft, state, roots, replace(view.budget, grow=cost.worth_deeper if per_level else None)
+            )
+        forwards = state.forward_calls - calls
+        if forwards:
+            clock.later(start, clock.mark(), lambda seconds: cost.draft_step.observe(rows, seconds / forwards))
         return trees
 
-    def propose(self, run, roots) -> Proposal:
-        consulted, worth = self.consult(run)
+    def propose(self, view, roots) -> Proposal:
+        consulted, worth = self.consult(view)
         if not worth:
             return Proposal(consulted=consulted)
-        return Proposal([RowTree(tree) for tree in self.trees(run, roots)], consulted=True)
+        return Proposal([RowTree(tree) for tree in self.trees(view, roots)], consulted=True)
 
-    def observe(self, run, proposal, results, features, tokens, keep) -> None:
+    def observe(self, view, proposal, results, features, tokens, keep) -> None:
         self.state.add_verified(features, tokens, keep)
 
-    def select_rows(self, rows) -> None:
-        self.state.select_rows(torch.tensor(rows, device=self.draft.device))
+    def select_rows(self, rows, index) -> None:
+        self.state.select_rows(index)
 
 
 class LookupProposer(Proposer):
@@ -167,14 +139,14 @@ class LookupProposer(Proposer):
         self.options, self.corpus, self.context = options, corpus, context
         self.lookups: list[LookupState] = []  # per active row (the context's index and hit rates)
 
-    def prefill(self, run, features, next_tokens, valid) -> None:
-        self.lookups = [LookupState(options=self.options) for _ in run.active] if self.context else []
+    def prefill(self, view, features, next_tokens, valid) -> None:
+        self.lookups = [LookupState(options=self.options) for _ in range(view.rows)] if self.context else []
 
-    def tries(self, run: DecodeRun) -> list[Candidates]:
+    def tries(self, view: CycleView) -> list[Candidates]:
         """Each active row's candidates for this cycle (the context's first), its index synced with its output."""
         out = []
-        for i, row in enumerate(run.active):
-            sequence = run.tokens[row][run.starts[row] :]  # the host's copy of the row's output
+        for i in range(view.rows):
+            sequence = view.sequence(i)  # the host's copy of the row's output
             cands = self.lookups[i].propose(sequence) if self.context else None
             if self.corpus is not None:
                 found = self.corpus.propose(sequence)
@@ -182,22 +154,22 @@ class LookupProposer(Proposer):
             out.append(cands)
         return out
 
-    def rows(self, run: DecodeRun, tries: list[Candidates]) -> list[RowTree] | None:
+    def rows(self, view: CycleView, tries: list[Candidates]) -> list[RowTree] | None:
         """Lookup-only trees (None when no row has a continuation)."""
-        trees, total = [], run.budget.total_tokens
-        for root, cands in zip(run.roots(), tries):  # a row without a continuation gets the root alone
-            if run.do_sample:
+        trees, total = [], view.budget.total_tokens
+        for i, (root, cands) in enumerate(zip(view.roots(), tries)):  # without a continuation: the root alone
+            if view.do_sample:
                 chosen = best_lookup_nodes(cands.trie, cands.cond, total - 1)
-                base = root_only(root, run.device).tree
+                base = root_only(root, view.root_ids[i : i + 1]).tree
                 trees.append(graft_sampled(base, cands, chosen) if chosen else RowTree(base))
             else:
-                trees.append(graft(HostTree([root], [-1], [0.0]), cands, total, run.device))
+                trees.append(graft(HostTree([root], [-1], [0.0]), cands, total))
         return trees if any(row.tree.num_nodes > 1 for row in trees) else None
 
-    def propose(self, run, roots) -> Proposal:
-        return Proposal(self.rows(run, self.tries(run)))
+    def propose(self, view, roots) -> Proposal:
+        return Proposal(self.rows(view, self.tries(view)))
 
-    def observe(self, run, proposal, results, features, tokens, keep) -> None:
+    def observe(self, view, proposal, results, features, tokens, keep) -> None:
         if proposal.rows is None:
             return
         for i, (row, result) in enumerate(zip(proposal.rows, results)):
@@ -206,12 +178,12 @@ class LookupProposer(Proposer):
             if self.corpus is not None and row.match is not None:
                 self.corpus.observe(row.tree.host.parents, row.match[CORPUS], result.path)
 
-    def select_rows(self, rows) -> None:
+    def select_rows(self, rows, index) -> None:
         self.lookups = [self.lookups[i] for i in rows] if self.context else []
 
-    def finish(self, run) -> None:
+    def finish(self, outputs) -> None:
         if self.corpus is not None:  # each row's new tokens, from the host's copy
-            self.corpus.finish([run.tokens[row][run.prompt_length :] for row in range(run.batch_size)])
+            self.corpus.finish(outputs)
 
 
 class HybridProposer(LookupProposer):
@@ -225,43 +197,43 @@ class HybridProposer(LookupProposer):
         super().__init__(options, corpus, context)
         self.draft = DraftProposer(draft)
 
-    def prefill(self, run, features, next_tokens, valid) -> None:
-        self.draft.prefill(run, features, next_tokens, valid)
-        super().prefill(run, features, next_tokens, valid)
+    def prefill(self, view, features, next_tokens, valid) -> None:
+        self.draft.prefill(view, features, next_tokens, valid)
+        super().prefill(view, features, next_tokens, valid)
 
-    def propose(self, run, roots) -> Proposal:
-        tries = self.tries(run)
+    def propose(self, view, roots) -> Proposal:
+        tries = self.tries(view)
         # a lookup this sure of every row's next token leaves the draft little to add: skip its forward this cycle
         confident = all(
             any(c.cond[i] >= self.options.confidence for i in range(1, c.trie.num_nodes) if c.trie.parents[i] == 0)
             for c in tries
         )
-        consulted, worth = (False, False) if confident else self.draft.consult(run)
+        consulted, worth = (False, False) if confident else self.draft.consult(view)
         if not worth:
-            return Proposal(self.rows(run, tries), consulted=consulted)
-        total = run.budget.total_tokens
-        if run.do_sample:  # the lookup's nodes are chosen from the context alone, before any draw
-            room = total - 1 - run.budget.top_k  # leave the draft its first level
+            return Proposal(self.rows(view, tries), consulted=consulted)
+        total = view.budget.total_tokens
+        if view.do_sample:  # the lookup's nodes are chosen from the context alone, before any draw
+            room = total - 1 - view.budget.top_k  # leave the draft its first level
             chosen = [best_lookup_nodes(c.trie, c.cond, room) for c in tries]
-            trees = self.draft.trees(run, roots, totals=[total - len(c) for c in chosen])
+            trees = self.draft.trees(view, roots, totals=[total - len(c) for c in chosen])
             rows = [
                 graft_sampled(tree, cands, c) if c else RowTree(tree) for tree, cands, c in zip(trees, tries, chosen)
             ]
         else:
-            drafted = DraftTree.with_hosts(self.draft.trees(run, roots))[0]  # grafting reads them: all rows at once
+            drafted = DraftTree.with_hosts(self.draft.trees(view, roots))[0]  # grafting reads them: all rows at once
             rows = [
-                graft(tree.host, cands, total, tree.tokens.device) if cands.trie.num_nodes > 1 else RowTree(tree)
+                graft(tree.host, cands, total) if cands.trie.num_nodes > 1 else RowTree(tree)
                 for tree, cands in zip(drafted, tries)
             ]
         return Proposal(rows, consulted=True)
 
-    def observe(self, run, proposal, results, features, tokens, keep) -> None:
-        self.draft.observe(run, proposal, results, features, tokens, keep)
-        super().observe(run, proposal, results, features, tokens, keep)
+    def observe(self, view, proposal, results, features, tokens, keep) -> None:
+        self.draft.observe(view, proposal, results, features, tokens, keep)
+        super().observe(view, proposal, results, features, tokens, keep)
 
-    def select_rows(self, rows) -> None:
-        self.draft.select_rows(rows)
-        super().select_rows(rows)
+    def select_rows(self, rows, index) -> None:
+        self.draft.select_rows(rows, index)
+        super().select_rows(rows, index)
 
 
 def build_proposer(

@@ -107,10 +107,7 @@ def build_sampled_trees(
                     break
                 next_level.extend(row.add_children(node, q_levels[r, i], feedback[r, i], budget.top_k, to_target))
             row.level_nodes = next_level  # (a row with no frontier is out of budget or stopped: [] changes nothing)
-    return [
-        DraftTree.from_lists(HostTree(r.tokens, r.parents, r.scores), device, r.draft_probs[: len(r.parents)])
-        for r in rows
-    ]
+    return [DraftTree.on_host(HostTree(r.tokens, r.parents, r.scores), r.draft_probs[: len(r.parents)]) for r in rows]
 
 
 def _frontier(row: _RowTree, budget: TreeBudget) -> list[int]:

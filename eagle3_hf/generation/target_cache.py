@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
+from eagle3_hf.generation.transfers import upload
 from eagle3_hf.generation.tree import DraftTree, tree_attention_mask
 
 __all__ = [
@@ -167,17 +168,24 @@ def _mask(columns: TargetColumns, trees: PaddedTrees, dtype: torch.dtype, window
 
 
 def keep_paths(
-    cache: DynamicCache, columns: TargetColumns, start: int, paths: list[list[int]]
+    cache: DynamicCache,
+    columns: TargetColumns,
+    start: int,
+    paths: list[list[int]],
+    index: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """After a verify forward appended T columns at `start`: keep each row's accepted `paths[row]` (node indices, root
     first) at the start of a block of `max(len(path))` columns, the rest of the block holes; drop the other columns.
 
     Returns the gather index `[A, W]` (node per kept column; 0 for a hole) and the kept columns `[A, W]` bool, and
-    updates `columns`; the caller reuses them for the accepted nodes' features. Entries in place are not moved."""
+    updates `columns`; the caller reuses them for the accepted nodes' features. Entries in place are not moved.
+    `index` and `lengths` (`[A]`): the same on the device where the caller uploaded them with the cycle's other
+    lists (engine.stage); else they are uploaded here."""
     width = max(len(path) for path in paths)
     device = columns.valid.device
-    index = torch.tensor([path + [0] * (width - len(path)) for path in paths], device=device)  # one copy to the device
-    lengths = torch.tensor([len(path) for path in paths], device=device)
+    if index is None or lengths is None:
+        index, lengths = upload(device, [path + [0] * (width - len(path)) for path in paths], [len(p) for p in paths])
     keep = torch.arange(width, device=device)[None] < lengths[:, None]  # [A, W]
     moved = any(path != list(range(len(path))) for path in paths)  # else every path is in place already
     for layer in _layers(cache):

@@ -23,12 +23,15 @@ from typing import NamedTuple
 
 import torch
 
+from eagle3_hf.generation.transfers import read, upload
+
 __all__ = [
     "DraftTree",
     "HostTree",
     "children_lists",
     "cut_host",
     "node_paths",
+    "place_trees",
     "read_on_host",
     "subtree",
     "sample_children",
@@ -46,16 +49,8 @@ class HostTree(NamedTuple):
 
 
 def read_on_host(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """Every tensor's values as a flat list, read in one device-to-host copy (one synchronisation, not one per
-    tensor; float64 holds token ids and fp32 scores exactly)."""
-    if not tensors:
-        return []
-    values = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
-    out, start = [], 0
-    for t in tensors:
-        out.append(values[start : start + t.numel()])
-        start += t.numel()
-    return out
+    """Every tensor's values as a flat list, read in one device-to-host copy (transfers.read)."""
+    return read(tensors)
 
 
 @dataclass(frozen=True)
@@ -71,6 +66,7 @@ class DraftTree:
             nodes are unused).
         host: the same tokens, parents and scores as lists, when the tree was built from lists or was read
             (``with_hosts``); None otherwise.
+        placed: False for a tree built ``on_host`` whose tensors wait for ``place_trees``.
     """
 
     tokens: torch.Tensor
@@ -78,16 +74,26 @@ class DraftTree:
     scores: torch.Tensor
     draft_probs: torch.Tensor | None = None
     host: HostTree | None = field(default=None, compare=False, repr=False)
+    placed: bool = field(default=True, compare=False, repr=False)  # False: built `on_host`, not yet on the device
 
     @classmethod
     def from_lists(cls, host: HostTree, device: torch.device, draft_probs: torch.Tensor | None = None) -> DraftTree:
-        """A tree built on the host: its tensors are copied to `device` and nothing is read back."""
+        """A tree built on the host: its lists are copied to `device` (one upload) and nothing is read back. The
+        decoding loop builds its trees `on_host` instead and places every row's at once (`place_trees`)."""
+        tokens, parents, scores = upload(device, host.tokens, host.parents, host.scores, floats=(2,))
+        return cls(tokens=tokens, parents=parents, scores=scores, draft_probs=draft_probs, host=host)
+
+    @classmethod
+    def on_host(cls, host: HostTree, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A tree built on the host, its tensors in host memory until `place_trees` moves them with every other
+        row's (no transfer here)."""
         return cls(
-            tokens=torch.tensor(host.tokens, device=device),
-            parents=torch.tensor(host.parents, device=device),
-            scores=torch.tensor(host.scores, device=device),
+            tokens=torch.tensor(host.tokens, dtype=torch.long),
+            parents=torch.tensor(host.parents, dtype=torch.long),
+            scores=torch.tensor(host.scores, dtype=torch.float32),
             draft_probs=draft_probs,
             host=host,
+            placed=False,
         )
 
     @staticmethod
@@ -119,6 +125,20 @@ class DraftTree:
     @property
     def num_nodes(self) -> int:
         return self.parents.shape[0]
+
+
+def place_trees(trees: list[DraftTree], device: torch.device) -> list[DraftTree]:
+    """`trees` with every tree built `on_host` moved to `device`: all of them in one upload (none: no upload)."""
+    waiting = [tree for tree in trees if not tree.placed]
+    if not waiting:
+        return trees
+    lists = [values for tree in waiting for values in tree.host]
+    moved = iter(upload(device, *lists, floats=range(2, len(lists), 3)))
+    placed = {}
+    for tree in waiting:
+        tokens, parents, scores = next(moved), next(moved), next(moved)
+        placed[id(tree)] = dataclasses.replace(tree, tokens=tokens, parents=parents, scores=scores, placed=True)
+    return [placed.get(id(tree), tree) for tree in trees]
 
 
 def _check_parents(parents: torch.Tensor) -> None:

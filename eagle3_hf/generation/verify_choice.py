@@ -9,7 +9,8 @@ its bf16 output equals plain output up to near-ties, exactly as one tree-masked 
 
 So `exact_verify="auto"` (the default) asks the row-invariance probe (probe.py, what `bench` reports) once per
 target, dtype, device, thread count, attention implementation and set of module types (prepacking weights changes
-the kernels), and verifies row-exact only where the probe finds the verify forward equal to one-token steps bit for
+the kernels) in a process, and once per machine across processes (probe_cache.py keeps its answers in the user's
+cache folder, keyed by what decides them), and verifies row-exact only where the probe finds the verify forward equal to one-token steps bit for
 bit. `exact_verify=True` runs row-exact regardless and warns once per setting where the probe fails; False always
 verifies in one call. Batches of several prompts and non-CPU devices verify in one call: row-exact verification
 covers torch's CPU attention for one prompt.
@@ -27,6 +28,7 @@ from transformers import PreTrainedModel
 
 from eagle3_hf.generation.exact_attention import SUPPORTED
 from eagle3_hf.generation.probe import ProbeResult, probe_row_exactness
+from eagle3_hf.generation.probe_cache import load_probe, probe_key, refresh_requested, store_probe
 from eagle3_hf.utils.precision import cpu_name
 
 __all__ = [
@@ -79,13 +81,21 @@ def _setting(model: PreTrainedModel) -> tuple:
     return str(model.dtype), str(model.device), torch.get_num_threads(), implementation, kinds
 
 
-def probe_for_target(model: PreTrainedModel) -> ProbeResult:
-    """The row-exact probe of `model` in its current setting, run on first use and kept while `model` lives."""
+def probe_for_target(model: PreTrainedModel, refresh: bool = False) -> ProbeResult:
+    """The row-exact probe of `model` in its current setting: kept while `model` lives, and on disk for the next
+    process (probe_cache.py); run only where neither has it, or where a fresh answer is asked for -- `refresh`
+    here, or `$EAGLE3_HF_REFRESH_PROBE` for the disk's answers (once per process) -- which replaces the kept ones."""
     results = _probes.setdefault(model, {})
-    key = _setting(model)
-    if key not in results:
-        results[key] = probe_row_exactness(model)
-    return results[key]
+    setting = _setting(model)
+    if setting in results and not refresh:
+        return results[setting]
+    key = probe_key(model)
+    result = None if refresh or refresh_requested() else load_probe(key)
+    if result is None:
+        result = probe_row_exactness(model)
+        store_probe(key, result)
+    results[setting] = result
+    return result
 
 
 def choose_verification(model: PreTrainedModel, exact_verify: Any = "auto", rows: int = 1) -> VerifyChoice:

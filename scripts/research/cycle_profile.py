@@ -5,7 +5,7 @@ Runs greedy tree decoding of SmolLM2 (bf16, prepacked weights, the shipped draft
 cycle verifies the same number of nodes and drafts the same number of levels). The decoding loop times nothing for
 it: this script wraps the loop's steps (`eagle3_hf/generation/engine.py`'s propose, verify, accept, keep_paths,
 emit; the draft's forward and catch-up; the row-exact attention's prefix copies and kernel calls) with its own clocks
-for the length of the run, and the loop's `eagle3_observer` hands it an `engine.CycleRecord` per cycle (its tree,
+for the length of the run, and the loop's `eagle3_observer` hands it a `cycle.CycleRecord` per cycle (its tree,
 and the draft and verify times the cost model measures anyway). It reports, in ms per cycle:
 
 * the verify step (from the end of drafting to the accepted path's features being queued), cut into: the target
@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from eagle3_hf.bench.runner import read_prompts
 from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation import drafting, engine, exact_attention, proposers
-from eagle3_hf.generation.engine import CycleRecord
+from eagle3_hf.generation.cycle import CycleRecord
 from eagle3_hf.generation.exact_attention import exact_verification
 from eagle3_hf.generation.target_cache import crop_cache, target_tree_mask
 from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
