@@ -53,6 +53,7 @@ def cases():
     return get
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("tree", ["wide", "deep", "chain", "adaptive"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_batched_greedy_equals_each_rows_plain_greedy(cases, family, tree):
@@ -151,6 +152,7 @@ def test_left_padding_never_reaches_the_models(cases):
         assert out[:, other_ids.shape[1] :].tolist() == expected[:, ids.shape[1] :].tolist()
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("tree", ["wide", "deep"])
 def test_rows_stop_at_their_own_eos_and_are_padded(cases, family, tree):
@@ -172,6 +174,7 @@ def test_rows_stop_at_their_own_eos_and_are_padded(cases, family, tree):
         assert mine[: alone.shape[1]] == alone[0].tolist() and set(mine[alone.shape[1] :]) <= {V - 1}
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("tree", ["wide", "deep"])
 def test_stop_strings_without_eos_let_finished_rows_run_on(cases, tree):
     """Without an EOS criterion plain generate() does not pad finished rows: they keep their real tokens until the
@@ -301,6 +304,7 @@ def staggered_eos(sequences, prompt_length):
     )
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("tree", ["wide", "deep"])
 def test_batched_output_scores_and_logits_equal_plain_batched_generate(cases, tree):
     """Per step a `[B, V]` tensor as plain batched generate() gives it, rows finishing at different steps: a running
@@ -351,6 +355,7 @@ def repeating_prompts():
     return prompts
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
 @pytest.mark.parametrize("assistant", ["lookup", "hybrid"])
 def test_batched_lookup_and_hybrid_greedy_equal_each_rows_plain_greedy(cases, family, assistant):
@@ -416,6 +421,7 @@ def test_chi_square_critical_values():
         assert chi_square_critical_0001(dof) == pytest.approx(exact, rel=0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", ["chain", "tree"])
 def test_batched_sampling_follows_each_rows_target_law(models, tree):
     """Tokens 2 and 3 (the first cycle) of each row of a left-padded batch of three prompts against that prompt's
@@ -454,6 +460,7 @@ def test_batched_sampling_follows_each_rows_target_law(models, tree):
         assert 0.05 * N < one_cycle < 0.95 * N
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("setting", ["T1", "T0.7-top_p0.9"])
 def test_batched_sampling_with_lookup_proposals_follows_each_rows_target_law(models, setting):
     """The hybrid tree in a batch: each row's lookup continuations are point-mass proposals beside the draft's

@@ -334,7 +334,7 @@ def test_markdown_table_states_what_the_numbers_were_measured_on():
 
 
 def test_bench_reports_the_row_invariance_probe():
-    from test_exact_attention import bf16_target
+    from helpers.exact import bf16_target
 
     from eagle3_hf.bench.report import format_markdown
     from eagle3_hf.bench.runner import row_exact_report

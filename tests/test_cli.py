@@ -342,6 +342,7 @@ def test_train_config_file_holds_every_option_and_tensorboard_logs(chat_target, 
     assert_clean_error(*run(capsys, "train", "--config", tmp_path / "broken.json")[::2], "is not valid JSON")
 
 
+@pytest.mark.slow
 def test_two_processes_with_accelerate_launch_print_once(chat_target, tmp_path):
     # The README's command: `accelerate launch --multi_gpu --num_processes 2` starts two processes on a CPU-only
     # machine too (`--cpu` alone would run one); only the first prints.

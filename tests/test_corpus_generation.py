@@ -85,6 +85,7 @@ ASSISTANTS = {
 }
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("assistant", list(ASSISTANTS))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_corpus_trees_greedy_match_plain_generate(cases, family, assistant):
@@ -107,6 +108,7 @@ def test_corpus_trees_greedy_match_plain_generate(cases, family, assistant):
         assert accepted > 0, f"{family}/{assistant}: the corpus never proposed an accepted token"
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
 @pytest.mark.parametrize("assistant", ["corpus_tree", "hybrid"])
 def test_batched_corpus_trees_equal_each_rows_plain_greedy(cases, family, assistant):
@@ -188,6 +190,7 @@ def test_the_corpus_hit_rates_are_learnt_from_its_own_nodes(cases, monkeypatch):
 # sampling with corpus point masses
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampling_with_corpus_proposals_follows_the_target_law(models, setting):  # noqa: F811
     target, draft = models

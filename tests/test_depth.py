@@ -125,7 +125,7 @@ def test_model_card_states_the_depth(target):
 
 
 def test_bf16_prepacking_covers_every_layer(target):
-    from test_draft_step import causal_block
+    from helpers.masks import causal_block
     from torch import nn
 
     from eagle3_hf.generation.draft_step import DraftKV, draft_forward

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from helpers.masks import causal_block
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -17,7 +18,6 @@ from transformers import (
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.generation.draft_step import DraftKV, DraftKVAttention, _attend, draft_forward
 from eagle3_hf.generation.drafting import top_children
-from eagle3_hf.modeling.masks import additive_mask
 
 SHAPE = dict(
     hidden_size=64,
@@ -134,11 +134,6 @@ def test_draft_kv_layers_share_slots_and_grow_together():
     assert torch.equal(keys[:, :, 0], torch.full((1, 2, 16), 1.0)) and (keys[:, :, 1:] == 9).all()
     for layer in (0, 2):  # the other layers kept their content through the growth
         assert (kv.keys[layer, :, :, :2] == layer).all() and (kv.values[layer, :, :, :2] == -layer).all()
-
-
-def causal_block(prefix, seq, dtype, device):
-    """Additive mask `[seq, prefix + seq]`: every query sees the prefix and the new positions up to its own."""
-    return additive_mask(torch.ones(seq, prefix + seq, dtype=torch.bool, device=device).tril(diagonal=prefix), dtype)
 
 
 def test_top_children_are_the_best_log_probabilities():

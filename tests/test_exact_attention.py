@@ -71,6 +71,7 @@ def tree_rows(target, prompt, tokens, parents, exact):
     return out.logits[0]
 
 
+@pytest.mark.grid(by=("expect",))
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("expect", EXPECTATIONS)
@@ -103,6 +104,7 @@ SMALL_TREES = {
 }
 
 
+@pytest.mark.grid(by=("expect",))
 @pytest.mark.parametrize("tree", list(SMALL_TREES))
 @pytest.mark.parametrize("family,implementation", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "sdpa")])
 @pytest.mark.parametrize("expect", EXPECTATIONS)
@@ -167,6 +169,7 @@ def check_greedy(target, prompt, reference, out, probe, expect, label):
         assert_near_ties(target, prompt, reference[0][P:], out[0][P:], probe, label)
 
 
+@pytest.mark.grid(by=("expect",))
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("expect", EXPECTATIONS)
@@ -178,6 +181,7 @@ def test_bf16_greedy_is_token_identical(bf16_case, family, tree, expect):
         check_greedy(target, prompt, reference, out, probe, expect, f"{family}/{tree}, prompt of {prompt.shape[1]}")
 
 
+@pytest.mark.grid(by=("expect",))
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("expect", EXPECTATIONS)
 def test_bf16_greedy_is_token_identical_with_eager(bf16_case, family, expect):
@@ -220,7 +224,7 @@ def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, smollm2_bf16, exp
     shipped draft: EAGLE-3's greedy output equals plain bf16 greedy decoding over 128 tokens of real prompts where the
     probe proves row-exact verification bit for bit on this CPU, and leaves it only at near-ties of the fp32 target
     elsewhere (an AMD EPYC without AMX rounds SmolLM2's `mlp.down_proj` over 16 rows differently from one row)."""
-    from test_generation import mt_bench_questions
+    from helpers.generation import mt_bench_questions
     from transformers import AutoTokenizer
 
     from eagle3_hf.draft_names import load_draft_for
@@ -265,6 +269,7 @@ def test_smollm2_bf16_greedy_is_token_identical(tokenizer_dir, smollm2_bf16, exp
 # the row-invariance probe
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_probe_finds_the_exact_path_bitwise_and_names_the_attention_call_otherwise(family):
     from eagle3_hf.generation.probe import probe_row_exactness

@@ -70,6 +70,7 @@ def by_step(losses: dict) -> dict[int, float]:
     return {int(step): loss for step, loss in losses.items()}
 
 
+@pytest.mark.slow  # several processes
 def test_fsdp_training_equals_one_process_resumes_and_saves_a_loadable_draft(tmp_path):
     summary = accelerate_launch("train", tmp_path)
 
@@ -111,6 +112,7 @@ def test_fsdp_training_equals_one_process_resumes_and_saves_a_loadable_draft(tmp
     assert summary["reload_equal"] and summary["lossless"]
 
 
+@pytest.mark.slow  # several processes
 def test_fsdp_trains_a_deeper_draft_as_one_process_does(tmp_path):
     summary = accelerate_launch("depth", tmp_path)
     assert summary["units"] == [True, True]  # each decoder layer is an FSDP unit, gathered around its own TTT calls
@@ -126,6 +128,7 @@ def test_fsdp_trains_a_deeper_draft_as_one_process_does(tmp_path):
         assert sharded[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
 
 
+@pytest.mark.slow  # several processes
 def test_features_in_two_processes_equal_one_process_and_train_cli_under_fsdp(chat_target, tmp_path):
     folder, data = chat_target
     common = [

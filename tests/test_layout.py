@@ -280,3 +280,34 @@ def test_modules_stay_short():
 def test_modules_say_what_they_are():
     undocumented = [name for name, path in modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
     assert not undocumented, f"modules without a docstring: {undocumented}"
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The test modules (`test_*`, `tests.test_*`) and conftest that `source` imports, lazily or not."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            last = name.removeprefix("tests.").split(".")[0]
+            if last.startswith("test_") or last == "conftest":
+                found.append(name)
+    return found
+
+
+def test_no_test_module_imports_another():
+    # What tests share lives in tests/helpers/: a test module imported by another runs its module-level code twice
+    # and ties the two files' fixtures together.
+    tests = Path(__file__).parent
+    offenders = {
+        str(path.relative_to(tests)): imported
+        for path in sorted(tests.rglob("*.py"))
+        if (imported := imported_test_modules(path.read_text(encoding="utf-8")))
+    }
+    assert not offenders, f"import from tests/helpers/ instead: {offenders}"
+
+
+def test_a_lazy_import_of_a_test_module_is_found():
+    source = "import os\n\ndef f():\n    from test_generation import make_pair\n    import tests.test_cli\n"
+    assert imported_test_modules(source) == ["test_generation", "tests.test_cli"]

@@ -246,6 +246,8 @@ def test_the_readme_main_command_from_the_installed_wheel(installed):
         "--no-compare",
         "--repeats",
         "1",
+        "--threads",  # times even where other jobs (another test worker) hold a core
+        "1",
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]

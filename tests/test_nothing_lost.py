@@ -258,7 +258,7 @@ def test_a_trainer_checkpoint_config_loads_without_a_warning(tmp_path, caplog):
     import json
     import logging
 
-    from test_generation import make_pair
+    from helpers.generation import make_pair
 
     from eagle3_hf import Eagle3DraftModel
 

@@ -148,6 +148,7 @@ def test_resume_reproduces_an_uninterrupted_run(target, dataset, tmp_path):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_two_processes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -97,6 +97,7 @@ def test_off_runs_one_call_without_probing(probes):
     assert probes == []
 
 
+@pytest.mark.slow
 def test_a_new_setting_is_probed_again(probes):
     target = exact_target()
     assert choose_verification(target).exact

@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_batched_generation.py)."""
+"""Left-padded batches of prompts and each row's unpadded output."""
 
 import torch
 

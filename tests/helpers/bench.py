@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_benchmark.py)."""
+"""A tiny target saved as a folder for the benchmark's tests."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

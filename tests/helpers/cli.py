@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_cli.py)."""
+"""Running `eagle3-hf` in-process, checking its one-line errors, and a tiny target and trained draft for it."""
 
 import pytest
 import torch

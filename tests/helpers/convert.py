@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_convert.py)."""
+"""The reference EAGLE-3 forward written from the published layouts, and checkpoints in each external layout."""
 
 import json
 import math

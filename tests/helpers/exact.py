@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_exact_attention.py)."""
+"""bf16 targets wide enough to be row-invariant, and an MLP that is not, for row-exact verification's tests."""
 
 import torch
 

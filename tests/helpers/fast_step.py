@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_train_fast_step.py)."""
+"""A target and draft pair and a batch for the fused training step's tests."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

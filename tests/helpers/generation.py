@@ -1,4 +1,5 @@
-"""Shared by several test modules (moved from tests/test_generation.py)."""
+"""Tiny random targets of every supported family, their random drafts and prompts, plain and EAGLE-3 greedy
+decoding, a letter tokenizer, and the real SmolLM2 with MT-bench questions."""
 
 import importlib.util
 import json

@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_verify_choice.py)."""
+"""A fixture that counts the row-invariance probe's runs."""
 
 import pytest
 

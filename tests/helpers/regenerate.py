@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_regenerate.py)."""
+"""A tiny Llama over SmolLM2's vocabulary, ShareGPT-style conversations, and a generate() that counts its calls."""
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

@@ -1,4 +1,5 @@
-"""Shared by several test modules (moved from tests/test_sampling.py)."""
+"""The sampling laws' tools: a tiny target and draft pair, the exact law of the first sampled tokens, chi-square
+checks against it, and the tree shapes and sampling settings they run over."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Shared by several test modules (moved from tests/test_trainer.py)."""
+"""Drafts and training arguments for the trainer's tests."""
 
 import torch
 
