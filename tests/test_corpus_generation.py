@@ -190,7 +190,7 @@ def test_the_corpus_hit_rates_are_learnt_from_its_own_nodes(cases, monkeypatch):
 # sampling with corpus point masses
 
 
-@pytest.mark.grid
+@pytest.mark.slow  # point-mass proposals: the fast tier has the lookup's (test_sampling)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampling_with_corpus_proposals_follows_the_target_law(models, setting):  # noqa: F811
     target, draft = models

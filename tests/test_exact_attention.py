@@ -193,6 +193,7 @@ def test_bf16_greedy_is_token_identical_with_eager(bf16_case, family, expect):
     assert target.config._attn_implementation == "eager"
 
 
+@pytest.mark.slow
 def test_one_tree_masked_call_is_not_exact_in_bf16(bf16_case):
     """The control: the same cases verified by one tree-masked attention call (exact_verify=False) do differ, so the
     equalities above are what row-exact verification buys, not what these cases give anyway."""
