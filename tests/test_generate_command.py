@@ -225,6 +225,9 @@ def test_spread():
     from eagle3_hf.commands.generate import spread
 
     assert spread([10.0, 12.0, 11.0]) == pytest.approx(2 / 11) and spread([7.0]) == 0.0
+    # from 4 repeats on, the middle half: one burst-slowed repeat (35) moves it no more than it moves the median
+    assert spread([50.0, 51.0, 49.0, 35.0, 52.0]) == pytest.approx((51.0 - 49.0) / 50.0)
+    assert spread([1.0, 2.0, 3.0, 4.0]) == pytest.approx((3.25 - 1.75) / 2.5)
 
 
 def test_pick_threads_takes_the_free_cores():
@@ -282,6 +285,16 @@ def test_busy_cores_reads_the_other_jobs_share_of_this_process_cores(monkeypatch
     monkeypatch.setattr(cpu_load.time, "sleep", lambda seconds: None)
     # cpu0 busy 90 of 100 jiffies, cpu1 10 of 100; cpu2 is not this process's
     assert cpu_load.busy_cores([0, 1]) == pytest.approx(1.0)
+
+
+def test_a_timing_on_fewer_threads_than_cores_is_pinned_to_the_freest():
+    from eagle3_hf.utils.cpu_load import busy_cores, freest_cpus
+
+    loads = {0: 0.9, 1: 0.05, 2: 0.3, 3: 0.05}
+    assert freest_cpus(loads, 1) == [1] and freest_cpus(loads, 2) == [1, 3] and freest_cpus(loads, 3) == [1, 2, 3]
+    assert busy_cores([0, 1, 2, 3], loads=loads) == pytest.approx(1.3)  # given loads are not sampled again
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        freest_cpus(loads, 0)
 
 
 def test_time_in_turn_alternates_the_methods():

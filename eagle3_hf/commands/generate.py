@@ -34,7 +34,7 @@ BUILT_IN_PROMPTS = (
     "List the twelve months of the year, one per line, each with its number of days.",
     "Write a Python function that returns the first n Fibonacci numbers, then call it for n = 10.",
 )
-# (max - min) / median of a method's timed repeats above which the machine was too busy for the numbers to hold.
+# `spread` of a method's timed repeats above which the machine was too busy for the numbers to hold.
 SPREAD_WARNING = 0.20
 
 
@@ -70,7 +70,7 @@ def add_cli_arguments(parser: Any) -> None:
         help="most new tokens of the streamed answer (an answer cut there is said to be)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed repeats of each method, taken in turn after the streamed answer"
+        "--repeats", type=int, default=5, help="timed repeats of each method, taken in turn after the streamed answer"
     )
     parser.add_argument(
         "--repeat-tokens", type=int, default=32, help="new tokens per timed repeat (at most --max-new-tokens)"
@@ -166,7 +166,7 @@ def cap_new_tokens(requested: int, prompt_length: int, max_positions: int | None
 
 
 def run_cli(args: Any) -> int:
-    from eagle3_hf.utils.cpu_load import busy_cores, cpu_quota, usable_cpus
+    from eagle3_hf.utils.cpu_load import busy_cores, core_loads, cpu_quota, freest_cpus, usable_cpus
 
     _check_options(args)
     print(_loading_line(args), flush=True)  # before torch: importing it alone takes seconds
@@ -175,7 +175,12 @@ def run_cli(args: Any) -> int:
     # sampled while this process sleeps, before it loads anything: only the other jobs' work is counted; on an
     # accelerator the CPU's load matters less, and under a quota the host's load says little about this container
     sample = args.device == "cpu" and cores == len(cpus)
-    threads, note, timed = choose_threads(args.threads, cores, busy_cores(cpus) if sample else None)
+    loads = core_loads(cpus) if sample else None
+    threads, note, timed = choose_threads(args.threads, cores, busy_cores(cpus, loads=loads) if sample else None)
+    if loads and args.threads is None and 0 < threads < len(loads) and hasattr(os, "sched_setaffinity"):
+        # on the free cores only: the scheduler would otherwise move the threads onto the busy ones now and then,
+        # and each such move shows up as a slow repeat
+        os.sched_setaffinity(0, freest_cpus(loads, threads))
     if note:
         print(note, file=sys.stderr if note.startswith("warning") else sys.stdout, flush=True)
     import torch
@@ -269,7 +274,7 @@ def _run_prompt(
         calls["plain"] = lambda: type(target).generate(target, ids, **dict(kwargs, max_new_tokens=n))
     print(
         f"timed ({setup}): {args.repeats} repeat(s) of {n} new tokens, the methods in turn; median, and spread = "
-        "(max - min) / median"
+        f"{'interquartile range' if args.repeats >= 4 else '(max - min)'} / median"
     )
     _report_rates(time_in_turn(calls, args.repeats, ids.shape[1]), method)
 
@@ -306,9 +311,16 @@ def was_cut(new_tokens: Any, eos_token_id: int | list[int] | None, max_new_token
 
 
 def spread(values: list[float]) -> float:
-    """(max - min) / median: how far apart the repeats of one measurement fell (0 for a single repeat)."""
+    """How far apart the repeats of one measurement fell, relative to their median: the middle half's range (the
+    interquartile range) from 4 repeats on, so that one repeat that another job's burst slowed moves the spread no
+    more than it moves the median; (max - min) below that (0 for a single repeat)."""
     middle = statistics.median(values)
-    return (max(values) - min(values)) / middle if middle > 0 else 0.0
+    if middle <= 0:
+        return 0.0
+    if len(values) < 4:
+        return (max(values) - min(values)) / middle
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return (high - low) / middle
 
 
 def time_in_turn(calls: dict[str, Callable[[], Any]], repeats: int, prompt_length: int) -> dict[str, list[float]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["FREE_SHARE", "busy_cores", "cpu_quota", "pick_threads", "usable_cpus"]
+__all__ = ["FREE_SHARE", "busy_cores", "core_loads", "cpu_quota", "freest_cpus", "pick_threads", "usable_cpus"]
 
 # A core counts as free when other jobs used at most this much less than all of it: a quarter of a core busy
 # already costs a thread that must wait for it more than the thread gains.
@@ -52,25 +52,43 @@ def _cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
     return times
 
 
-def busy_cores(cpus: list[int], seconds: float = SAMPLE_SECONDS) -> float | None:
-    """How many of `cpus` other processes keep busy, in cores (0.0 to len(cpus)): their busy share over a sample of
-    `seconds` (this process sleeps through it, so its own work is not counted), or the last minute's load average
-    where /proc/stat is missing; None where neither can be read."""
+def core_loads(cpus: list[int], seconds: float = SAMPLE_SECONDS) -> dict[int, float] | None:
+    """Each of `cpus`' busy share (0.0 to 1.0) over a sample of `seconds` (this process sleeps through it, so its own
+    work is not counted), or None where /proc/stat cannot be read."""
     try:
         before = _cpu_times()
         time.sleep(seconds)
         after = _cpu_times()
     except (OSError, ValueError, IndexError):
-        try:
-            return min(float(len(cpus)), os.getloadavg()[0])
-        except (AttributeError, OSError):  # no load average on this platform (Windows)
-            return None
-    busy = 0.0
+        return None
+    loads = {}
     for cpu in cpus:
         if cpu in before and cpu in after:
             total = after[cpu][1] - before[cpu][1]
-            busy += (after[cpu][0] - before[cpu][0]) / total if total > 0 else 0.0
-    return busy
+            loads[cpu] = (after[cpu][0] - before[cpu][0]) / total if total > 0 else 0.0
+    return loads
+
+
+def busy_cores(cpus: list[int], seconds: float = SAMPLE_SECONDS, loads: dict[int, float] | None = None) -> float | None:
+    """How many of `cpus` other processes keep busy, in cores (0.0 to len(cpus)): the sum of their `core_loads`
+    (sampled here unless given), or the last minute's load average where /proc/stat is missing; None where neither
+    can be read."""
+    if loads is None:
+        loads = core_loads(cpus, seconds)
+    if loads is not None:
+        return sum(loads.values())
+    try:
+        return min(float(len(cpus)), os.getloadavg()[0])
+    except (AttributeError, OSError):  # no load average on this platform (Windows)
+        return None
+
+
+def freest_cpus(loads: dict[int, float], count: int) -> list[int]:
+    """The `count` least busy cores of `loads` (ties by core number): where a timing takes fewer threads than there
+    are cores, it is pinned to these, so that the scheduler never moves its threads onto a core another job holds."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}.")
+    return sorted(sorted(loads, key=lambda cpu: (loads[cpu], cpu))[:count])
 
 
 def pick_threads(cores: int, busy: float | None) -> int:
