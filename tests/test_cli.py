@@ -123,7 +123,7 @@ def test_every_option_has_help_and_shows_its_default():
         "--device DEVICE torch device",
         "(default: cpu)",
         "(default: the draft shipped for the target)",
-        "(default: 3)",
+        "(default: 5)",
         "(default: 32)",
         "(default: one per core that other jobs leave free, and no timing when none is)",
     ):

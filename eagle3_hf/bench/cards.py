@@ -73,7 +73,13 @@ def bench_card(draft_dir: str, report: dict[str, Any] | None = None, **text: Any
             "dtype": cfg.get("dtype"),
             "prompts": f"{cfg.get('num_prompts')} prompts ({cfg.get('prompts', 'MT-bench turn 1')}) x "
             f"{cfg.get('max_new_tokens')} new tokens"
-            + (f", median of {cfg['repeats']} runs" if cfg.get("repeats") else ""),
+            + (
+                f", median of {cfg['repeats']} runs"
+                if cfg.get("repeats", 0) > 1
+                else ", one run"
+                if cfg.get("repeats") == 1
+                else ""
+            ),
             "transformers_version": env.get("transformers"),
             "torch_version": env.get("torch"),
             **text,
