@@ -360,7 +360,8 @@ def repeating_prompts():
 @pytest.mark.parametrize("assistant", ["lookup", "hybrid"])
 def test_batched_lookup_and_hybrid_greedy_equal_each_rows_plain_greedy(cases, family, assistant):
     """`ContextLookup()` and the hybrid tree (the draft's tree with each row's lookup grafted in) over a batch whose
-    rows repeat themselves: each row's output is its plain greedy output, and lookup tokens were accepted."""
+    rows repeat themselves: each row's output is its plain greedy output, and lookup tokens were accepted (every tree
+    verified whole: a batch's cost model may take plain steps where its tiny models' trees lose by timing noise)."""
     from eagle3_hf import ContextLookup
 
     target, draft, _, _ = cases(family)
@@ -374,6 +375,7 @@ def test_batched_lookup_and_hybrid_greedy_equal_each_rows_plain_greedy(cases, fa
         do_sample=False,
         max_new_tokens=NEW,
         return_dict_in_generate=True,
+        adaptive_tree=False,
         **({} if assistant == "lookup" else dict(context_lookup=True)),
     )
     for row, prompt in enumerate(prompts):
@@ -566,5 +568,27 @@ def test_where_trees_do_not_pay_the_batch_runs_plain_batched_steps(cases, monkey
         return_dict_in_generate=True,
     )
     assert all(size == 1 for sizes in out.tree_sizes for size in sizes)
+    for row, reference in enumerate(references):
+        assert unpadded(out.sequences, mask, row) == reference[0].tolist()
+
+
+def test_a_batch_starts_with_a_measured_plain_step(cases):
+    """The batch's first cycle is a plain step (the cost model measures one before weighing trees against it, without
+    asking the proposer), the next one asks the draft, and every row is still its plain greedy output."""
+    target, draft, prompts, references = cases("qwen2")
+    ids, mask = left_padded(prompts)
+    records = []
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=NEW,
+        return_dict_in_generate=True,
+        eagle3_observer=records.append,
+        context_lookup=False,  # the draft alone: nothing but the cost model decides whether it is consulted
+    )
+    assert records[0].tree_sizes == [1] * len(prompts) and not records[0].consulted
+    assert records[1].consulted
     for row, reference in enumerate(references):
         assert unpadded(out.sequences, mask, row) == reference[0].tolist()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle3_hf.generation.cost_model import CycleCostModel, LinearCost
+from eagle3_hf.generation.cost_model import Backoff, CycleCostModel, LinearCost
 
 
 def test_linear_cost_recovers_an_exact_line():
@@ -55,7 +55,7 @@ def test_worth_drafting_counts_every_depth_one_candidate_where_a_wide_verify_is_
 
 
 def test_backoff_doubles_while_consulting_loses_and_resets_when_it_pays():
-    cost = CycleCostModel(max_backoff=4)
+    cost = CycleCostModel(consultations=Backoff(max_skip=4))
     pattern = []
     for _ in range(14):
         consulted = cost.consult_draft()

@@ -13,7 +13,9 @@ drafts that are over- or under-confident. Consulting the draft costs a draft ste
 poor draft would still cost a few percent: each consultation is scored by the tokens it gained over plain decoding
 in the same time (negative for a declined one), and while the recent consultations together lose, the draft is not
 even consulted for a growing number of tokens (exponential backoff). A useful draft that declines at unsure tokens
-keeps being consulted, because its drafted cycles win more than its declines cost.
+keeps being consulted, because its drafted cycles win more than its declines cost. A batch's cycles that verify trees
+are scored the same way (`Backoff`), and while they lose the batch takes plain steps without asking the proposer at
+all (`plain_due`): there a tree's tokens are dear next to a plain step's, and a cycle's lookups cost too.
 """
 
 from __future__ import annotations
@@ -65,6 +67,36 @@ _PRIORS: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     ("cpu", torch.float16): (1.0 / 15, 0.10),
 }
 _GPU_PRIOR = (1.0 / 200, 0.10)
+# At batch > 1, cycles between plain steps measuring what one costs now (the context grows; a drafted cycle in this
+# many loses at most the gain of one cycle: ~1.5% of a batch that drafts every cycle)
+PLAIN_REFRESH = 64
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff over scored decisions: each score is the tokens a decision gained over plain decoding in
+    the same time; while the recent ones together lose, the next `skip` chances are passed, twice as many each time
+    (at most `max_skip`), and one that pays again resets it."""
+
+    max_skip: int = 32
+    scores: deque = field(default_factory=lambda: deque(maxlen=16))
+    skip: int = 0
+    next_skip: int = 1
+
+    def score(self, net_tokens: float) -> None:
+        self.scores.append(net_tokens)
+        if sum(self.scores) >= 0.0:
+            self.next_skip, self.skip = 1, 0
+        else:
+            self.skip = self.next_skip
+            self.next_skip = min(self.next_skip * 2, self.max_skip)
+
+    def allow(self) -> bool:
+        """Whether to take this chance (each refusal uses up one of the skips)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
 
 
 @dataclass
@@ -78,6 +110,12 @@ class CycleCostModel:
     a plain step's `A / verify_cost(A)`. With A = 1 that is the formula of the module docstring; as the batch grows a
     tree token costs more next to a plain step's, so trees shrink, down to plain batched steps.
 
+    A batch's plain step is measured apart from the line (`plain`, seconds against rows, from the cycles that verify
+    the roots alone): a plain step of a batch is one forward whose width the line, fit mostly at tree widths, does not
+    follow (on a CPU 4 rows' plain step costs about what one row's does, and their first extra node each 1.3x it), so
+    the line alone overrates a plain step and with it every tree. At batch > 1 a plain step is taken whenever that
+    measurement is missing or `PLAIN_REFRESH` cycles old (`plain_due`): it costs what plain decoding costs.
+
     The default priors (before measurements arrive) are a middle ground: verifying 16 tokens costs ~1.5x one token,
     one draft step ~15% of a target step; `for_device` gives the ones measured for a device and precision.
     """
@@ -87,12 +125,18 @@ class CycleCostModel:
     accepted: float = 0.0  # measured accepted draft tokens (excluding bonus)
     predicted: float = 0.0  # sum of predicted acceptance for the same cycles
     prior_weight: float = 2.0  # pseudo-cycles of calibration 1.0 before measurements dominate
-    backoff: int = 0  # tokens to decode plainly before consulting the draft again
-    next_backoff: int = 1
-    max_backoff: int = 32
-    # net tokens over plain decoding of the recent consultations (see `after_consultation`)
-    consultations: deque = field(default_factory=lambda: deque(maxlen=16))
+    # the draft's consultations, scored by `after_consultation`: not consulted for a while when they lose
+    consultations: Backoff = field(default_factory=Backoff)
+    # a batch's cycles that verified trees or consulted the draft, scored by `after_tree_cycle`: plain steps for a
+    # while when they lose (no proposer asked: its lookups and bookkeeping cost a batch ~5% of a plain step)
+    trees: Backoff = field(default_factory=Backoff)
     rows: int = 1  # rows decoding this cycle (a batch's loop sets it before each decision)
+    plain: LinearCost | None = None  # measured plain steps, seconds against rows (None: the verify line's prior)
+    since_plain: int = 0  # cycles since the last plain step
+
+    def __post_init__(self) -> None:
+        if self.plain is None:
+            self.plain = LinearCost(prior_a=self.verify.prior_a, prior_b=self.verify.prior_b)
 
     @classmethod
     def for_device(cls, device_type: str, dtype: torch.dtype) -> CycleCostModel:
@@ -108,9 +152,31 @@ class CycleCostModel:
         self.predicted += predicted
         self.accepted += accepted
 
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A verify forward of `rows` rows `width` nodes wide took `seconds` (width 1: a plain step)."""
+        self.verify.observe(rows * width, seconds)
+        if width == 1:
+            self.plain.observe(rows, seconds)
+            self.since_plain = 0
+        else:
+            self.since_plain += 1
+
+    def plain_step(self) -> float:
+        """Seconds of a plain step over every row: for a batch measured where plain steps ran, else the verify line's
+        (one row's: its verify cost is nearly flat over a tree's width, and the line fits its plain step)."""
+        return self.plain(self.rows) if self.rows > 1 and self.plain.samples else self.verify(self.rows)
+
+    def plain_due(self) -> bool:
+        """Whether this cycle of a batch should be a plain step, without asking the proposer: to measure one (see the
+        class docstring), or because the batch's recent trees lost (`after_tree_cycle`). One row never skips here:
+        its tree nodes cost little next to its plain step, and its draft has its own backoff (`consult_draft`)."""
+        if self.rows == 1:
+            return False
+        return not self.plain.samples or self.since_plain >= PLAIN_REFRESH or not self.trees.allow()
+
     def plain_rate(self) -> float:
         """Tokens per second of a plain step over every row."""
-        return self.rows / self.verify(self.rows)
+        return self.rows / self.plain_step()
 
     def worth_drafting(self, top_probabilities: torch.Tensor | list | float) -> bool:
         """Whether verifying the `m` best depth-1 candidates of every row (`top_probabilities` `[k]` or `[A, k]`, most
@@ -123,7 +189,7 @@ class CycleCostModel:
         """Whether one more draft level can pay: its best node (`best_path_probability`, summed over the rows' best
         frontier nodes) must be worth more than a draft step over the rows and `rows` more verified tokens
         (`nodes_so_far` counts one row's candidates)."""
-        per_token = self.verify(self.rows) / self.rows  # what a token is worth, in a plain step's time
+        per_token = self.plain_step() / self.rows  # what a token is worth, in a plain step's time
         gain = self.calibration * best_path_probability * per_token
         width = self.rows * (nodes_so_far + 1)
         return gain > self.draft_step(self.rows) + (self.verify(width + self.rows) - self.verify(width))
@@ -150,7 +216,7 @@ class CycleCostModel:
                 cumulative[i] += total
         a, b = self.verify.coefficients()
         calibration = self.calibration
-        best, best_rate = 0, self.rows / (draft_seconds + a + b * self.rows)
+        best, best_rate = 0, self.rows / (draft_seconds + self.plain_step())
         for n in range(1, width + 1):
             rate = (self.rows + calibration * cumulative[n - 1]) / (draft_seconds + a + b * self.rows * (n + 1))
             if rate > best_rate:  # the first of equal rates, as argmax takes it
@@ -161,16 +227,12 @@ class CycleCostModel:
         """Score a consultation -- tokens it produced minus what plain decoding would have produced in the same time
         (`(accepted + rows) - seconds * plain_rate()` for a drafted cycle, `-draft_seconds * plain_rate()` for a
         declined one) -- and back off exponentially while the recent consultations together lose."""
-        self.consultations.append(net_tokens)
-        if sum(self.consultations) >= 0.0:
-            self.next_backoff = 1
-            self.backoff = 0
-        else:
-            self.backoff = self.next_backoff
-            self.next_backoff = min(self.next_backoff * 2, self.max_backoff)
+        self.consultations.score(net_tokens)
 
     def consult_draft(self) -> bool:
-        if self.backoff > 0:
-            self.backoff -= 1
-            return False
-        return True
+        return self.consultations.allow()
+
+    def after_tree_cycle(self, net_tokens: float) -> None:
+        """Score a batch's cycle that verified trees or consulted the draft (`tokens - seconds * plain_rate()`), and
+        take plain steps, exponentially more of them, while the recent ones together lose."""
+        self.trees.score(net_tokens)

@@ -116,7 +116,9 @@ def propose(run: DecodeRun, t0: Any) -> tuple[Proposal, float | None]:
     the device (what was built on the host, in one upload). Returns (proposal, accepted tokens predicted over the
     rows -- None: from the trees' scores, once read)."""
     run.cost.rows = len(run.active)
-    proposal = run.proposer.propose(run.view(), run.root_ids)
+    # a batch's plain step measured now and then (cost_model.py): the proposer is not asked (it hears the tokens)
+    plain = run.adaptive_tree and not run.do_sample and run.cost.plain_due()
+    proposal = Proposal() if plain else run.proposer.propose(run.view(), run.root_ids)
     predicted = None  # the trees' estimate, read with them in `accept`
     if proposal.rows is not None and run.adaptive_tree and not run.do_sample:
         drafted = run.clock.mark()
@@ -278,10 +280,11 @@ def record_cycle(
 ) -> None:
     """Bookkeeping: tree sizes, where the accepted tokens came from, and what the cost model learns -- the verify
     cost of the cycle's width, the proposals' calibration, and whether consulting the draft gained tokens over plain
-    steps in the same time (only the tokens the draft proposed count: the lookup's came without consulting it)."""
+    steps in the same time (only the tokens the draft proposed count: the lookup's came without consulting it), and
+    for a batch whether the cycle's trees gained tokens over plain steps at all (plain steps for a while if not)."""
     cost, rows = run.cost, len(results)
     width = max(row.tree.num_nodes for row in proposal.rows)
-    cost.verify.observe(rows * width, verify_s)  # cost.rows: set by `propose` for this cycle's rows
+    cost.observe(rows, width, verify_s)  # cost.rows: set by `propose` for this cycle's rows
     from_draft = 0
     for row, tree, result, count in zip(run.active, proposal.rows, results, emitted):
         sources = tree.node_sources()
@@ -296,3 +299,5 @@ def record_cycle(
     if proposal.consulted and run.adaptive_tree:
         spent = draft_s + (verify_s if width > 1 else 0.0)
         cost.after_consultation((from_draft + rows if width > 1 else 0) - spent * cost.plain_rate())
+    if rows > 1 and (proposal.consulted or width > 1) and run.adaptive_tree:
+        cost.after_tree_cycle(sum(emitted) - (draft_s + verify_s) * cost.plain_rate())
