@@ -67,8 +67,8 @@ _PRIORS: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     ("cpu", torch.float16): (1.0 / 15, 0.10),
 }
 _GPU_PRIOR = (1.0 / 200, 0.10)
-# At batch > 1, cycles between plain steps measuring what one costs now (the context grows; a drafted cycle in this
-# many loses at most the gain of one cycle: ~1.5% of a batch that drafts every cycle)
+# At batch > 1, cycles between plain steps measuring what one costs now (the context grows; one plain step in this
+# many cycles forgoes at most one cycle's gain: ~1.5% where a batch drafts every cycle)
 PLAIN_REFRESH = 64
 
 
@@ -128,7 +128,7 @@ class CycleCostModel:
     # the draft's consultations, scored by `after_consultation`: not consulted for a while when they lose
     consultations: Backoff = field(default_factory=Backoff)
     # a batch's cycles that verified trees or consulted the draft, scored by `after_tree_cycle`: plain steps for a
-    # while when they lose (no proposer asked: its lookups and bookkeeping cost a batch ~5% of a plain step)
+    # while when they lose (no proposer asked: its lookups and bookkeeping cost a batch a few percent of a step)
     trees: Backoff = field(default_factory=Backoff)
     rows: int = 1  # rows decoding this cycle (a batch's loop sets it before each decision)
     plain: LinearCost | None = None  # measured plain steps, seconds against rows (None: the verify line's prior)
