@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from exact_verify_cost import verify_forward  # this script's folder: scripts/research
 from transformers import DynamicCache
 
 from eagle3_hf.bench.runner import read_prompts
@@ -40,8 +41,8 @@ from eagle3_hf.draft_names import load_draft_for
 from eagle3_hf.generation import drafting, engine, exact_attention, proposers
 from eagle3_hf.generation.cycle import CycleRecord
 from eagle3_hf.generation.exact_attention import exact_verification
-from eagle3_hf.generation.target_cache import crop_cache, target_tree_mask
-from eagle3_hf.generation.tree import tree_attention_mask, tree_depths
+from eagle3_hf.generation.target_cache import crop_cache
+from eagle3_hf.generation.tree import tree_depths
 from eagle3_hf.modeling.packed_linear import prepack_linears
 from eagle3_hf.modeling.shipped import default_prompts_path
 from eagle3_hf.targets import load_target, load_tokenizer
@@ -169,19 +170,7 @@ def references(model, ids: torch.Tensor, context: int, parents: list[int], repea
         model(ids[:, :context], use_cache=True, **cache_kwargs(cache), eagle3_exact=state)
 
         def tree_forward(exact: bool) -> None:
-            if exact:
-                state.set_tree(parents_t, context)
-            mask = target_tree_mask(model.config, tree_attention_mask(parents_t), context, model.dtype)
-            model(
-                tokens,
-                attention_mask=mask,
-                position_ids=(context + depths)[None],
-                use_cache=True,
-                eagle3_exact=state,
-                **cache_kwargs(cache),
-            )
-            state.clear_tree()
-            crop_cache(cache, context)
+            verify_forward(model, state, cache, tokens, parents_t, depths, context, exact)
 
         def plain_step() -> None:
             logits = model(ids[:, context : context + 1], use_cache=True, eagle3_exact=state, **cache_kwargs(cache))
