@@ -92,19 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(summary))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Tear the process group down before the interpreter exits: gloo's threads aborting at exit
-        # ("terminate called without an active exception") would turn a finished run into a failure.
+        # Launched by torchrun or accelerate: wait for every process, then leave at once, group and all. Neither
+        # teardown is safe here (torch 2.13, gloo, seen on a loaded 2-core machine): destroying the group can hang,
+        # as ProcessGroupGloo's destructor joins its worker thread while holding the GIL and that thread may still
+        # be releasing the all_gather above, whose Python-made tensors need the GIL; left to the interpreter's exit
+        # instead, gloo's threads can abort a finished run ("terminate called without an active exception").
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if in_sync else 1)
     return 0 if in_sync else 1
 
 
 if __name__ == "__main__":
-    code = main()
-    if "LOCAL_RANK" in os.environ:  # launched by torchrun; the process group is already torn down
-        # Skip the interpreter's own teardown: on a loaded machine torch's gloo threads can still hang or abort
-        # a run that has finished and printed its summary.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    raise SystemExit(code)
+    raise SystemExit(main())

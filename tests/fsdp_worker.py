@@ -132,15 +132,15 @@ def main() -> int:
         summary = {"codes": [cli_main(json.loads(argv)) for argv in sys.argv[3:]]}
     if dist.get_rank() == 0:
         print(json.dumps(summary))
-    # Tear the group down before exit: gloo threads aborting at interpreter exit would fail a finished run.
+    # Wait for every process, and leave the group to os._exit below: destroying it can hang (ProcessGroupGloo's
+    # destructor joins its worker thread holding the GIL, which a finished collective's tensors may still need).
     dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
     code = main()
-    # The group is torn down and the summary printed; skip the interpreter's own teardown, where torch's gloo
+    # The summary is printed and every process done; skip the interpreter's own teardown, where torch's gloo
     # threads can still abort a finished run ("terminate called without an active exception") on a loaded machine.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,13 +4,12 @@ import importlib.util
 import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
+from helpers.launch import free_port, launch
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
@@ -30,21 +29,8 @@ exit_loop = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(exit_loop)
 # What `accelerate config` writes for FSDP2, on CPU processes.
 ACCELERATE_FSDP_CONFIG = exit_loop.accelerate_config("fsdp", 2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(command: list[str], cwd: pathlib.Path) -> dict:
-    """Run a 2-process launch; return the JSON line rank 0 printed last."""
-    # PYTHONPATH: the processes import this checkout's package, whatever an installed copy says.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+# The launched processes import this checkout's package, whatever an installed copy says.
+CHECKOUT = {"PYTHONPATH": str(ROOT)}
 
 
 def accelerate_launch(mode: str, tmp_path: pathlib.Path) -> dict:
@@ -63,7 +49,7 @@ def accelerate_launch(mode: str, tmp_path: pathlib.Path) -> dict:
         mode,
         str(tmp_path / "runs"),
     ]
-    return launch(command, tmp_path)
+    return launch(command, tmp_path, timeout=600, env=CHECKOUT)
 
 
 def by_step(losses: dict) -> dict[int, float]:
@@ -178,7 +164,7 @@ def test_features_in_two_processes_equal_one_process_and_train_cli_under_fsdp(ch
         json.dumps(common + ["--output", str(two)]),
         json.dumps(train),
     ]
-    assert launch(command, tmp_path)["codes"] == [0, 0]
+    assert launch(command, tmp_path, timeout=600, env=CHECKOUT)["codes"] == [0, 0]
 
     # The same command in one process (the target placed by accelerate's device_map) writes the same data set.
     assert cli_main(common + ["--output", str(one), "--device-map", "auto"]) == 0

@@ -6,13 +6,12 @@ import json
 import os
 import pathlib
 import shutil
-import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 from helpers.cli_argv import argv
+from helpers.launch import free_port, launch
 from helpers.trainer import make_args, new_draft
 from helpers.trainer_callbacks import StopAt
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -150,10 +149,6 @@ def test_resume_reproduces_an_uninterrupted_run(target, dataset, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         "-m",
@@ -161,7 +156,7 @@ def test_two_processes(tmp_path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        str(port),
+        str(free_port()),
         str(ROOT / "examples" / "train_tiny.py"),
         "--output",
         str(tmp_path),
@@ -169,9 +164,7 @@ def test_two_processes(tmp_path):
         "10",
     ]
     # A generous limit: the run takes ~7 s alone, but two processes on a loaded 2-core machine can take far longer.
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = launch(command, tmp_path, timeout=400)
     # in_sync: DDP really averaged the gradients (a TTT run outside DDP's forward leaves the replicas apart)
     assert summary["world_size"] == 2 and summary["in_sync"] and summary["steps"] == 10
     assert "acc_0" in summary and (tmp_path / "model.safetensors").is_file()
