@@ -127,19 +127,19 @@ def launch_command(
     ]
 
 
-def run_once(command: list[str], env: dict[str, str], cwd: pathlib.Path, timeout: int) -> tuple[int | None, str]:
-    """``(exit code, stderr)`` of one launch; ``None`` for a run that hung (its whole process group is killed)."""
-    # A session of its own: on a hang the launcher's workers go with it rather than linger.
+def run_once(command: list[str], env: dict[str, str], cwd: pathlib.Path, timeout: float) -> tuple[int | None, str, str]:
+    """``(exit code, stdout, stderr)`` of one launch; ``None`` for a run that hung (its whole process group is killed)."""
+    # A session of its own: on a hang the launcher's workers go with it rather than linger (and hold the pipes open).
     process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
     )
     try:
-        _, stderr = process.communicate(timeout=timeout)
-        return process.returncode, stderr
+        stdout, stderr = process.communicate(timeout=timeout)
+        return process.returncode, stdout, stderr
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        return None, stderr
+        stdout, stderr = process.communicate()
+        return None, stdout, stderr
 
 
 def positive(text: str) -> int:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(1, args.runs + 1):
             command = launch_command(args, work, work / f"run{run}", target, data)
             start = time.monotonic()
-            code, stderr = run_once(command, env, work, args.timeout)
+            code, _, stderr = run_once(command, env, work, args.timeout)
             seconds = time.monotonic() - start
             saved = (work / f"run{run}" / "model.safetensors").is_file()
             ok = code == 0 and saved and ABORT_TEXT not in stderr

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from helpers.launch import free_port, launch
+from helpers.launch import exit_loop, free_port, launch
 
 from eagle3_hf import Eagle3DraftModel
 from eagle3_hf.cli import main as cli_main
@@ -24,9 +24,6 @@ _spec = importlib.util.spec_from_file_location("fsdp_worker", WORKER)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 
-_spec = importlib.util.spec_from_file_location("fsdp_exit_loop", ROOT / "scripts" / "fsdp_exit_loop.py")
-exit_loop = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(exit_loop)
 # What `accelerate config` writes for FSDP2, on CPU processes.
 ACCELERATE_FSDP_CONFIG = exit_loop.accelerate_config("fsdp", 2)
 # The launched processes import this checkout's package, whatever an installed copy says.

@@ -1,4 +1,4 @@
-"""What row-exact verification costs: a verify forward over a tree, row-exact, in one call and against a plain step.
+"""What row-exact verification costs: a tree's verify forward, row-exact and in one call, beside a plain step.
 
 Row-exact verification (eagle3_hf/generation/exact_attention.py) computes each tree node's attention as its own
 one-token step would, one attention call per tree depth; the rest of the forward is unchanged. This times the whole
